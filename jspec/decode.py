@@ -1,0 +1,277 @@
+"""Decoding: the state carried between rounds, the round function and `generate`.
+
+Static (changing these recompiles): the model config, `Sampling`, drafter/verifier/length
+objects, `max_new_tokens`, the prompt-length bucket and the cache capacity.
+Dynamic: weights, prompt ids and lengths, the PRNG key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.errors import JspecError
+from jspec.models.cache import KVCache
+from jspec.models.config import ModelConfig
+from jspec.models.llama import Weights, forward
+from jspec.models.model import Model
+from jspec.sampling import Sampling, sample
+
+INVALID = -1  # the padding value of output token buffers
+
+
+def bucket_length(n: int) -> int:
+    """Prompt widths are padded to a few buckets so that shapes (and compiles) stay few."""
+    if n <= 32:
+        return 32
+    if n <= 256:
+        return -(-n // 32) * 32
+    return -(-n // 128) * 128
+
+
+def cache_capacity(prompt_width: int, max_new_tokens: int, lookahead: int = 0) -> int:
+    """Slots needed for the prompt, the new tokens and a verify block of `lookahead` drafts."""
+    need = prompt_width + max_new_tokens + lookahead + 1
+    return -(-need // 128) * 128
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Stats:
+    """Per-row decoding statistics (all i32)."""
+
+    rounds: jax.Array  # i32[B] target verify passes after prefill
+    emitted: jax.Array  # i32[B] tokens committed by those rounds (accepted + bonus/correction)
+    accepted: jax.Array  # i32[B] drafted tokens accepted
+    drafted: jax.Array  # i32[B] drafted tokens verified
+    accepted_at: jax.Array  # i32[B, K] rounds in which draft position k was accepted
+
+    @classmethod
+    def zeros(cls, batch: int, k: int) -> Stats:
+        z = jnp.zeros((batch,), jnp.int32)
+        return cls(rounds=z, emitted=z, accepted=z, drafted=z,
+                   accepted_at=jnp.zeros((batch, k), jnp.int32))
+
+    def mean_accepted(self) -> np.ndarray:
+        """τ per row: tokens committed per round (accepted drafts + 1), host-side."""
+        r = np.maximum(np.asarray(self.rounds), 1)
+        return np.asarray(self.emitted) / r
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+    """Everything a decoding round reads and writes. A pytree; donated between dispatches.
+
+    Invariant: the target cache holds every committed token except `last`, which is the
+    input of the next target forward.
+    """
+
+    cache: KVCache  # target KV cache; lengths i32[B]
+    tokens: jax.Array  # i32[B, N] generated tokens, INVALID-padded
+    num_new: jax.Array  # i32[B] generated so far (including EOS)
+    last: jax.Array  # i32[B] last committed token, not yet in the cache
+    done: jax.Array  # bool[B] row finished (EOS or max_new_tokens)
+    key: jax.Array  # PRNG key
+    stats: Stats
+    drafter: Any = None  # drafter state pytree (None for autoregressive decoding)
+    verifier: Any = None  # verifier state pytree (e.g. ASD's regret budget)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class GenerateOutput:
+    tokens: jax.Array  # i32[B, N] new tokens, INVALID (-1) after each row's end
+    lengths: jax.Array  # i32[B] new tokens per row (EOS included when emitted)
+    stats: Stats
+
+
+def _is_eos(tok: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    out = jnp.zeros(tok.shape, bool)
+    for e in eos_ids:
+        out = out | (tok == e)
+    return out
+
+
+def prefill(config: ModelConfig, weights: Weights, prompt_ids: jax.Array,
+            prompt_lengths: jax.Array, key: jax.Array, *, sampling: Sampling,
+            max_new_tokens: int, capacity: int, eos_ids: tuple[int, ...], draft_k: int = 0
+            ) -> tuple[DecodeState, Any]:
+    """Run the prompt through the target and sample the first new token.
+
+    Args:
+      prompt_ids: i32[B, P] right-padded prompts. prompt_lengths: i32[B], 1 <= len <= P.
+    Returns:
+      (state, forward output of the prompt) — the latter lets drafters read target features.
+    """
+    b, p = prompt_ids.shape
+    cache = KVCache.create(config, b, capacity)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    with jax.named_scope("prefill"):
+        out = forward(config, weights, prompt_ids, positions, cache, compute_logits=False)
+        last_h = jnp.take_along_axis(out.final_hidden, (prompt_lengths - 1)[:, None, None], axis=1)
+        from jspec.models.llama import lm_logits  # noqa: PLC0415
+        logits = lm_logits(config, weights, last_h[:, 0])  # [B, V]
+    key, sub = jax.random.split(key)
+    first = sample(sub, logits, sampling)
+    tokens = jnp.full((b, max_new_tokens), INVALID, jnp.int32).at[:, 0].set(first)
+    done = _is_eos(first, eos_ids) | (max_new_tokens <= 1)
+    state = DecodeState(cache=out.cache.with_lengths(prompt_lengths), tokens=tokens,
+                        num_new=jnp.ones((b,), jnp.int32), last=first, done=done, key=key,
+                        stats=Stats.zeros(b, draft_k))
+    return state, out
+
+
+def autoregressive_round(config: ModelConfig, weights: Weights, state: DecodeState, *,
+                         sampling: Sampling, eos_ids: tuple[int, ...]) -> DecodeState:
+    """One target forward over `last`, one new token per unfinished row."""
+    b = state.last.shape[0]
+    n_max = state.tokens.shape[1]
+    cache = state.cache
+    with jax.named_scope("verify"):
+        out = forward(config, weights, state.last[:, None], cache.lengths[:, None], cache)
+    key, sub = jax.random.split(state.key)
+    nxt = sample(sub, out.logits[:, 0], sampling)
+    with jax.named_scope("commit"):
+        live = ~state.done
+        rows = jnp.arange(b)
+        slot = jnp.where(live, state.num_new, n_max)  # out of range -> dropped
+        tokens = state.tokens.at[rows, slot].set(nxt, mode="drop")
+        num_new = state.num_new + live
+        done = state.done | (live & (_is_eos(nxt, eos_ids) | (num_new >= n_max)))
+        lengths = cache.lengths + live
+        stats = dataclasses.replace(state.stats, rounds=state.stats.rounds + live,
+                                    emitted=state.stats.emitted + live)
+    return dataclasses.replace(
+        state, cache=out.cache.with_lengths(lengths), tokens=tokens, num_new=num_new,
+        last=jnp.where(live, nxt, state.last), done=done, key=key, stats=stats)
+
+
+def run_rounds(round_fn: Any, state: DecodeState, max_rounds: int | jax.Array) -> DecodeState:
+    """`lax.while_loop` of `round_fn` until every row is done or `max_rounds` rounds ran."""
+    def cond(c):
+        s, i = c
+        return (i < max_rounds) & ~jnp.all(s.done)
+
+    def body(c):
+        s, i = c
+        return round_fn(s), i + 1
+
+    state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
+    return state
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sampling", "max_new_tokens", "capacity",
+                                             "eos_ids"))
+def _generate_autoregressive(weights: Weights, prompt_ids: jax.Array, prompt_lengths: jax.Array,
+                             key: jax.Array, *, config: ModelConfig, sampling: Sampling,
+                             max_new_tokens: int, capacity: int, eos_ids: tuple[int, ...]
+                             ) -> GenerateOutput:
+    state, _ = prefill(config, weights, prompt_ids, prompt_lengths, key, sampling=sampling,
+                       max_new_tokens=max_new_tokens, capacity=capacity, eos_ids=eos_ids)
+    round_fn = functools.partial(autoregressive_round, config, weights, sampling=sampling,
+                                 eos_ids=eos_ids)
+    state = run_rounds(round_fn, state, max_new_tokens - 1)
+    return GenerateOutput(tokens=state.tokens, lengths=state.num_new, stats=state.stats)
+
+
+def _is_concrete(x: Any) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def validate_prompts(model: Model, prompt_ids: Any, prompt_lengths: Any, max_new_tokens: int,
+                     capacity: int | None) -> tuple[jax.Array, jax.Array]:
+    """Check shapes always and values when concrete; return int32 arrays."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise JspecError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    ids = jnp.asarray(prompt_ids) if _is_concrete(prompt_ids) else prompt_ids
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2:
+        raise JspecError(f"prompt_ids must be int32[B, P], got shape {ids.shape}")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise JspecError(f"prompt_ids must be integers, got {ids.dtype}")
+    b, p = ids.shape
+    if p == 0:
+        raise JspecError("the prompt is empty")
+    if prompt_lengths is None:
+        lengths = jnp.full((b,), p, jnp.int32)
+    else:
+        lengths = jnp.asarray(prompt_lengths, jnp.int32).reshape(-1) \
+            if _is_concrete(prompt_lengths) else prompt_lengths.astype(jnp.int32).reshape(-1)
+        if lengths.shape != (b,):
+            raise JspecError(f"prompt_lengths must be int32[{b}], got shape {lengths.shape}")
+    if _is_concrete(ids) and _is_concrete(lengths):
+        ln = np.asarray(lengths)
+        if (ln < 1).any():
+            raise JspecError("the prompt is empty (a prompt length is < 1)")
+        if (ln > p).any():
+            raise JspecError(f"a prompt length exceeds the prompt width {p}")
+        arr = np.asarray(ids)
+        valid = np.arange(p)[None, :] < ln[:, None]
+        bad = valid & ((arr < 0) | (arr >= model.config.vocab_size))
+        if bad.any():
+            r, c = np.argwhere(bad)[0]
+            raise JspecError(f"token id {int(arr[r, c])} at row {r}, position {c} is outside the "
+                             f"vocabulary [0, {model.config.vocab_size})")
+        longest = int(ln.max())
+    else:
+        longest = p
+    limit = model.config.max_position
+    if longest + max_new_tokens > limit:
+        raise JspecError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                         f"the model's context length {limit}")
+    if capacity is not None and capacity < p + max_new_tokens + 1:
+        raise JspecError(f"prompt width {p} + max_new_tokens {max_new_tokens} does not fit the "
+                         f"cache capacity {capacity}")
+    return ids.astype(jnp.int32), lengths
+
+
+def pad_to_bucket(ids: jax.Array) -> jax.Array:
+    """Right-pad i32[B, P] with zeros to the length bucket (a no-op under a trace)."""
+    p = ids.shape[1]
+    width = bucket_length(p)
+    if width == p:
+        return ids
+    return jnp.pad(ids, ((0, 0), (0, width - p)))
+
+
+def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, drafter: Any = None,
+             max_new_tokens: int = 128, sampling: Sampling = Sampling(), verifier: Any = None,
+             length: Any = None, key: jax.Array | None = None, capacity: int | None = None
+             ) -> GenerateOutput:
+    """Generate up to `max_new_tokens` tokens per prompt; works inside a user's `jax.jit`.
+
+    Args:
+      model: the target model.
+      prompt_ids: i32[B, P] right-padded prompt token ids (or i32[P] for one prompt).
+      prompt_lengths: i32[B] real lengths (default: all P).
+      drafter: None for plain autoregressive decoding.
+      max_new_tokens: static maximum of new tokens per row.
+      sampling: `Sampling(temperature, top_k, top_p)`; temperature 0 is greedy.
+      key: PRNG key for sampling (default `jax.random.key(0)`).
+      capacity: static KV-cache slots (default: prompt bucket + max_new_tokens, rounded up).
+    Returns:
+      GenerateOutput: tokens i32[B, max_new_tokens] (-1 after each row's end), lengths i32[B],
+      stats.
+    """
+    if not isinstance(sampling, Sampling):
+        raise JspecError(f"sampling must be a jspec.Sampling, got {type(sampling).__name__}")
+    ids, lengths = validate_prompts(model, prompt_ids, prompt_lengths, max_new_tokens, capacity)
+    ids = pad_to_bucket(ids)
+    if key is None:
+        key = jax.random.key(0)
+    if drafter is not None:
+        from jspec.speculative import generate_speculative  # noqa: PLC0415
+        return generate_speculative(model, ids, lengths, drafter=drafter,
+                                    max_new_tokens=max_new_tokens, sampling=sampling,
+                                    verifier=verifier, length=length, key=key, capacity=capacity)
+    cap = capacity or cache_capacity(ids.shape[1], max_new_tokens)
+    return _generate_autoregressive(model.weights, ids, lengths, key, config=model.config,
+                                    sampling=sampling, max_new_tokens=max_new_tokens,
+                                    capacity=cap, eos_ids=model.eos_ids)

@@ -1,0 +1,276 @@
+"""A Llama-family decoder as pure functions over a weights pytree.
+
+One `forward` serves prefill, one-token decode and multi-token (chain or tree) verification.
+Covers Llama 2/3, SmolLM2 (llama arch), Qwen2/2.5 (q/k/v bias) and Qwen3 (q/k RMSNorm).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.models.cache import KVCache
+from jspec.models.config import ModelConfig
+
+# A large finite negative instead of -inf: a fully masked row then stays finite (no NaN).
+MASK_VALUE = -1e30
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerWeights:
+    """Per-layer weights stacked on a leading layer axis L. Matrices are (in, out)."""
+
+    attn_norm: jax.Array  # f32[L, D]
+    wq: jax.Array  # dtype[L, D, H*hd]
+    wk: jax.Array  # dtype[L, D, KV*hd]
+    wv: jax.Array  # dtype[L, D, KV*hd]
+    wo: jax.Array  # dtype[L, H*hd, D]
+    mlp_norm: jax.Array  # f32[L, D]
+    w_gate: jax.Array  # dtype[L, D, F]
+    w_up: jax.Array  # dtype[L, D, F]
+    w_down: jax.Array  # dtype[L, F, D]
+    bq: jax.Array | None = None  # dtype[L, H*hd] (Qwen2)
+    bk: jax.Array | None = None  # dtype[L, KV*hd]
+    bv: jax.Array | None = None  # dtype[L, KV*hd]
+    q_norm: jax.Array | None = None  # f32[L, hd] (Qwen3)
+    k_norm: jax.Array | None = None  # f32[L, hd]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Weights:
+    embed: jax.Array  # dtype[V, D]
+    layers: LayerWeights
+    final_norm: jax.Array  # f32[D]
+    lm_head: jax.Array | None = None  # dtype[D, V]; None when tied to `embed`
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+    """Causal attention among the new tokens (prefill, decode, chain verification)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tree:
+    """Tree attention among the new tokens: token t sees its ancestors and itself.
+
+    `parents` is i32[T] or i32[B, T]; parents[t] < t, and -1 marks a root (its parent is the
+    committed prefix).
+    """
+
+    parents: Any
+
+
+def tree_ancestors(parents: jax.Array) -> jax.Array:
+    """bool[..., T, T]: anc[t, u] is True when u is t itself or an ancestor of t."""
+    parents = jnp.asarray(parents, jnp.int32)
+    t = parents.shape[-1]
+    eye = jnp.eye(t, dtype=bool)
+    par = jax.nn.one_hot(parents, t, dtype=jnp.int32) > 0  # [..., T, T]; root rows all False
+    anc = eye | par
+    # Squaring the reachability relation doubles the path length covered each step.
+    for _ in range(max(1, int(np.ceil(np.log2(max(t, 2)))))):
+        anc = anc | (jnp.einsum("...tu,...uv->...tv", anc.astype(jnp.int32),
+                                anc.astype(jnp.int32)) > 0)
+    return anc
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in float32, cast back to x's dtype."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate-half RoPE. x: [B, T, N, hd]; positions: i32[B, T]; inv_freq: f32[hd/2]."""
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
+    cos = jnp.cos(ang)[:, :, None, :]
+    sin = jnp.sin(ang)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.einsum("...d,df->...f", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def attention_mask(cache_lengths: jax.Array, num_new: int, capacity: int,
+                   mask: Chain | Tree) -> jax.Array:
+    """bool[B, T, S]: which cache slots each new token attends to.
+
+    New token t of row b sits in slot lengths[b] + t. It sees every committed slot
+    (< lengths[b]) and, among the new slots, those the chain/tree mask allows.
+    """
+    slots = jnp.arange(capacity, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
+    start = cache_lengths[:, None, None]  # [B, 1, 1]
+    committed = slots < start
+    rel = slots - start  # index of the slot among the new tokens
+    t_idx = jnp.arange(num_new, dtype=jnp.int32)[None, :, None]
+    in_new = (rel >= 0) & (rel < num_new)
+    if isinstance(mask, Tree):
+        anc = tree_ancestors(mask.parents)  # [T, T] or [B, T, T]
+        if anc.ndim == 2:
+            anc = jnp.broadcast_to(anc, (cache_lengths.shape[0], num_new, num_new))
+        rel_c = jnp.clip(rel, 0, num_new - 1)  # [B, 1, S]
+        rel_b = jnp.broadcast_to(rel_c, (cache_lengths.shape[0], num_new, capacity))
+        allowed = jnp.take_along_axis(anc, rel_b, axis=2)
+    else:
+        allowed = rel <= t_idx
+    return committed | (in_new & allowed)
+
+
+def _layer(config: ModelConfig, inv_freq: jax.Array, x: jax.Array, positions: jax.Array,
+           mask: jax.Array, write_slots: jax.Array, carry_k: jax.Array, carry_v: jax.Array,
+           layer_idx: jax.Array, lw: LayerWeights) -> tuple[jax.Array, jax.Array, jax.Array]:
+    b, t, _ = x.shape
+    h, kv, hd = config.num_heads, config.num_kv_heads, config.head_dim
+    g = config.group_size
+    y = rms_norm(x, lw.attn_norm, config.rms_eps)
+    q = _dot(y, lw.wq)
+    k = _dot(y, lw.wk)
+    v = _dot(y, lw.wv)
+    if config.qkv_bias:
+        q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
+    q = q.reshape(b, t, h, hd)
+    k = k.reshape(b, t, kv, hd)
+    v = v.reshape(b, t, kv, hd)
+    if config.qk_norm:
+        q = rms_norm(q, lw.q_norm, config.rms_eps)
+        k = rms_norm(k, lw.k_norm, config.rms_eps)
+    q = rope(q, positions, inv_freq)
+    k = rope(k, positions, inv_freq)
+
+    # Write this layer's new keys/values into the carried cache in place, then attend over it.
+    rows = jnp.arange(b, dtype=jnp.int32)[:, None]  # [B, 1]
+    carry_k = carry_k.at[layer_idx, rows, write_slots].set(k, mode="drop")
+    carry_v = carry_v.at[layer_idx, rows, write_slots].set(v, mode="drop")
+    ck = carry_k[layer_idx]  # [B, S, KV, hd]
+    cv = carry_v[layer_idx]
+
+    qg = q.reshape(b, t, kv, g, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, ck, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / np.sqrt(hd))
+    scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1)
+    attn = jnp.einsum("bkgts,bskd->btkgd", probs.astype(cv.dtype), cv,
+                      preferred_element_type=jnp.float32).astype(x.dtype)
+    x = x + _dot(attn.reshape(b, t, h * hd), lw.wo)
+
+    y = rms_norm(x, lw.mlp_norm, config.rms_eps)
+    act = jax.nn.silu(_dot(y, lw.w_gate).astype(jnp.float32)).astype(x.dtype) * _dot(y, lw.w_up)
+    x = x + _dot(act, lw.w_down)
+    return x, carry_k, carry_v
+
+
+def lm_logits(config: ModelConfig, weights: Weights, h: jax.Array) -> jax.Array:
+    """f32[..., V] logits from final-normed hidden states h: [..., D]."""
+    if weights.lm_head is None:
+        return jnp.einsum("...d,vd->...v", h, weights.embed, preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,dv->...v", h, weights.lm_head, preferred_element_type=jnp.float32)
+
+
+@dataclasses.dataclass
+class ForwardOutput:
+    logits: jax.Array | None  # f32[B, T, V] (None when logits=False)
+    cache: KVCache  # new K/V written at slots lengths+t; lengths unchanged
+    hidden: jax.Array | None  # dtype[n, B, T, D]: hidden states of the requested layers
+    final_hidden: jax.Array  # dtype[B, T, D]: after the final norm
+
+
+def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions: jax.Array,
+            cache: KVCache, mask: Chain | Tree = Chain(), hidden_layers: tuple[int, ...] = (),
+            compute_logits: bool = True, num_layers: int | None = None) -> ForwardOutput:
+    """Run the decoder over T new tokens per row.
+
+    Args:
+      config: static model config.
+      weights: the weights pytree.
+      tokens: i32[B, T] new token ids.
+      positions: i32[B, T] RoPE positions of the new tokens.
+      cache: KV cache; the new tokens' K/V are written at slots `cache.lengths[b] + t`.
+      mask: `Chain()` (causal among new tokens) or `Tree(parents)`.
+      hidden_layers: static; indices of layers whose *output* hidden states to return
+        (0 = the embeddings, i = after layer i).
+      compute_logits: static; skip the LM head when False.
+      num_layers: static; run only the first N layers (early-exit drafting), default all.
+
+    Returns:
+      ForwardOutput with logits f32[B, T, V], the cache (lengths unchanged), hidden states.
+    """
+    b, t = tokens.shape
+    n_layers = config.num_layers if num_layers is None else num_layers
+    inv_freq = jnp.asarray(config.inv_freq())
+    x = jnp.take(weights.embed, tokens, axis=0).astype(config.jnp_dtype)  # [B, T, D]
+    full_mask = attention_mask(cache.lengths, t, cache.capacity, mask)
+    write_slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+    layers = weights.layers
+    if n_layers != config.num_layers:
+        layers = jax.tree.map(lambda a: a[:n_layers], layers)
+
+    want = tuple(sorted(set(hidden_layers)))
+    for i in want:
+        if not 0 <= i <= n_layers:
+            raise ValueError(f"hidden layer {i} outside 0..{n_layers}")
+
+    def body(carry, xs):
+        x, ck, cv = carry
+        lw, idx = xs
+        x, ck, cv = _layer(config, inv_freq, x, positions, full_mask, write_slots, ck, cv, idx, lw)
+        return (x, ck, cv), (x if want else None)
+
+    x0 = x
+    (x, ck, cv), per_layer = jax.lax.scan(
+        body, (x, cache.k, cache.v), (layers, jnp.arange(n_layers, dtype=jnp.int32)))
+    hidden = None
+    if want:
+        stacked = jnp.concatenate([x0[None], per_layer], axis=0)  # [L+1, B, T, D]
+        hidden = stacked[jnp.asarray(want)]
+    h = rms_norm(x, weights.final_norm, config.rms_eps)
+    logits = lm_logits(config, weights, h) if compute_logits else None
+    return ForwardOutput(logits=logits, cache=dataclasses.replace(cache, k=ck, v=cv),
+                         hidden=hidden, final_hidden=h)
+
+
+def init_weights(config: ModelConfig, key: jax.Array, scale: float = 0.02) -> Weights:
+    """Random weights for tests (tiny configs)."""
+    d, f, h, kv, hd, n = (config.hidden_size, config.ffn_size, config.num_heads,
+                          config.num_kv_heads, config.head_dim, config.num_layers)
+    dt = config.jnp_dtype
+    ks = iter(jax.random.split(key, 16))
+
+    def rnd(*shape):
+        return (scale * jax.random.normal(next(ks), shape, jnp.float32)).astype(dt)
+
+    def norm(*shape):
+        return 1.0 + 0.1 * jax.random.normal(next(ks), shape, jnp.float32)
+
+    layers = LayerWeights(
+        attn_norm=norm(n, d), wq=rnd(n, d, h * hd), wk=rnd(n, d, kv * hd), wv=rnd(n, d, kv * hd),
+        wo=rnd(n, h * hd, d), mlp_norm=norm(n, d), w_gate=rnd(n, d, f), w_up=rnd(n, d, f),
+        w_down=rnd(n, f, d),
+        bq=rnd(n, h * hd) if config.qkv_bias else None,
+        bk=rnd(n, kv * hd) if config.qkv_bias else None,
+        bv=rnd(n, kv * hd) if config.qkv_bias else None,
+        q_norm=norm(n, hd) if config.qk_norm else None,
+        k_norm=norm(n, hd) if config.qk_norm else None)
+    embed = (jax.random.normal(next(ks), (config.vocab_size, d), jnp.float32)).astype(dt)
+    return Weights(embed=embed, layers=layers, final_norm=norm(d),
+                   lm_head=None if config.tie_embeddings else rnd(d, config.vocab_size))
+
+
+def cast_weights(weights: Weights, dtype: Any) -> Weights:
+    """Cast matrices to `dtype`; norms stay float32."""
+    def cast(path, a):
+        name = jax.tree_util.keystr(path)
+        if a is None or "norm" in name:
+            return a
+        return a.astype(dtype)
+    return jax.tree_util.tree_map_with_path(cast, weights)

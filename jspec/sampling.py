@@ -1,0 +1,84 @@
+"""Sampling configuration and the logits -> distribution processing shared by every verifier."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jspec.errors import JspecError
+
+NEG = -1e30  # finite "minus infinity" for filtered logits
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How tokens are chosen. Static under jit: changing a field recompiles.
+
+    temperature: 0 means greedy (argmax); > 0 samples from softmax(logits / T).
+    top_k: keep the k most likely tokens (0 = all).
+    top_p: keep the smallest set of most likely tokens whose mass reaches top_p (1 = all).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise JspecError(f"temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise JspecError(f"top_k must be an integer >= 0, got {self.top_k}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise JspecError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def process_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
+    """f32[..., V] logits after temperature, top-k and top-p (filtered entries set to NEG).
+
+    Applied identically to target and draft logits, so verification compares the same
+    distributions that plain sampling would use.
+    """
+    x = logits.astype(jnp.float32)
+    if sampling.greedy:
+        return x
+    x = x / sampling.temperature
+    v = x.shape[-1]
+    if 0 < sampling.top_k < v:
+        kth = jax.lax.top_k(x, sampling.top_k)[0][..., -1:]
+        x = jnp.where(x < kth, NEG, x)
+    if sampling.top_p < 1.0:
+        srt = jnp.sort(x, axis=-1)[..., ::-1]
+        cum = jnp.cumsum(jax.nn.softmax(srt, axis=-1), axis=-1)
+        # The kept set is every token up to and including the first that reaches top_p.
+        n_keep = jnp.sum(cum - jax.nn.softmax(srt, axis=-1) < sampling.top_p, axis=-1,
+                         keepdims=True)
+        thresh = jnp.take_along_axis(srt, jnp.maximum(n_keep - 1, 0), axis=-1)
+        x = jnp.where(x < thresh, NEG, x)
+    return x
+
+
+def probs(logits: jax.Array, sampling: Sampling) -> jax.Array:
+    """f32[..., V]: the distribution tokens are drawn from (one-hot argmax when greedy)."""
+    x = process_logits(logits, sampling)
+    if sampling.greedy:
+        return jax.nn.one_hot(jnp.argmax(x, axis=-1), x.shape[-1], dtype=jnp.float32)
+    return jax.nn.softmax(x, axis=-1)
+
+
+def sample(key: jax.Array, logits: jax.Array, sampling: Sampling) -> jax.Array:
+    """i32[...]: one token per row of f32[..., V] logits."""
+    x = process_logits(logits, sampling)
+    if sampling.greedy:
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
+
+
+def sample_from_probs(key: jax.Array, p: jax.Array) -> jax.Array:
+    """i32[...]: one token per row of f32[..., V] probabilities (need not be normalised)."""
+    return jax.random.categorical(key, jnp.log(jnp.maximum(p, 0.0)), axis=-1).astype(jnp.int32)
