@@ -275,3 +275,45 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, draft
     return _generate_autoregressive(model.weights, ids, lengths, key, config=model.config,
                                     sampling=sampling, max_new_tokens=max_new_tokens,
                                     capacity=cap, eos_ids=model.eos_ids)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sampling", "max_new_tokens", "capacity",
+                                             "eos_ids"))
+def _prefill_jit(weights: Weights, prompt_ids: jax.Array, prompt_lengths: jax.Array,
+                 key: jax.Array, *, config: ModelConfig, sampling: Sampling, max_new_tokens: int,
+                 capacity: int, eos_ids: tuple[int, ...]) -> DecodeState:
+    state, _ = prefill(config, weights, prompt_ids, prompt_lengths, key, sampling=sampling,
+                       max_new_tokens=max_new_tokens, capacity=capacity, eos_ids=eos_ids)
+    return state
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "rounds"),
+                   donate_argnames=("state",))
+def _chunk_jit(weights: Weights, state: DecodeState, *, config: ModelConfig, sampling: Sampling,
+               eos_ids: tuple[int, ...], rounds: int) -> DecodeState:
+    round_fn = functools.partial(autoregressive_round, config, weights, sampling=sampling,
+                                 eos_ids=eos_ids)
+    return run_rounds(round_fn, state, rounds)
+
+
+def stream(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
+           max_new_tokens: int = 128, sampling: Sampling = Sampling(),
+           key: jax.Array | None = None, rounds_per_dispatch: int = 8):
+    """Yield (new tokens so far, done) for one dispatch of `rounds_per_dispatch` rounds at a time.
+
+    The same rounds as `generate`; the host reads the state once per dispatch (not per token),
+    which is what lets a terminal show text as it is produced.
+    """
+    ids, lengths = validate_prompts(model, prompt_ids, prompt_lengths, max_new_tokens, None)
+    ids = pad_to_bucket(ids)
+    key = jax.random.key(0) if key is None else key
+    cap = cache_capacity(ids.shape[1], max_new_tokens)
+    statics = dict(config=model.config, sampling=sampling, eos_ids=model.eos_ids)
+    state = _prefill_jit(model.weights, ids, lengths, key, max_new_tokens=max_new_tokens,
+                         capacity=cap, **statics)
+    while True:
+        tokens, num_new, done = jax.device_get((state.tokens, state.num_new, state.done))
+        yield tokens, num_new, bool(done.all())
+        if done.all():
+            return
+        state = _chunk_jit(model.weights, state, rounds=rounds_per_dispatch, **statics)

@@ -1,0 +1,149 @@
+"""`python -m jspec bench`: speed measured side by side in one run, medians over repeats."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BENCH_PROMPT = ("Write a Python function that checks whether a string is a palindrome, "
+                "then explain how it works.")
+
+
+def _median_time(fn: Any, repeats: int) -> float:
+    fn()  # warm-up (compile) excluded
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def decode_tps(model: Any, prompt_ids: list[int], new_tokens: int, repeats: int) -> dict[str, float]:
+    """Greedy autoregressive tokens/s of `jspec.generate` (prefill excluded by subtraction)."""
+    import dataclasses  # noqa: PLC0415
+
+    import jspec  # noqa: PLC0415
+
+    # EOS is ignored so that every run decodes exactly `new_tokens` tokens.
+    model = dataclasses.replace(model, config=model.config.replace(eos_ids=()))
+    ids = jnp.asarray([prompt_ids], jnp.int32)
+    n_out = []
+
+    def run(n: int) -> Any:
+        def go():
+            out = jspec.generate(model, ids, max_new_tokens=n)
+            n_out.append(int(out.lengths[0]))
+        return go
+    # Decode rate: the 1-token run (prefill + first token) is subtracted.
+    t_full = _median_time(run(new_tokens), repeats)
+    full_tokens = n_out[-1]
+    t_pre = _median_time(run(1), repeats)
+    decoded = max(full_tokens - 1, 1)
+    return {"tokens_per_s": decoded / max(t_full - t_pre, 1e-9),
+            "end_to_end_tokens_per_s": full_tokens / t_full, "new_tokens": full_tokens,
+            "seconds": t_full, "prefill_seconds": t_pre}
+
+
+def cost_curve(model: Any, ks: tuple[int, ...], fill: int, repeats: int) -> dict[str, Any]:
+    """c(K) = t(forward of K new tokens) / t(forward of 1) with `fill` tokens already cached."""
+    from jspec.models.cache import KVCache  # noqa: PLC0415
+    from jspec.models.llama import forward  # noqa: PLC0415
+
+    cfg = model.config
+    cap = -(-(fill + max(ks) + 1) // 128) * 128
+
+    @jax.jit
+    def fwd(w, toks, pos, cache):
+        out = forward(cfg, w, toks, pos, cache)
+        return out.logits, out.cache
+
+    times = {}
+    for k in ks:
+        cache = KVCache.create(cfg, 1, cap).with_lengths(jnp.array([fill], jnp.int32))
+        toks = jnp.zeros((1, k), jnp.int32) + 42
+        pos = fill + jnp.arange(k, dtype=jnp.int32)[None]
+
+        def go(toks=toks, pos=pos, cache=cache):
+            jax.block_until_ready(fwd(model.weights, toks, pos, cache))
+        times[k] = _median_time(go, repeats)
+    return {"ms": {k: 1000 * t for k, t in times.items()},
+            "c": {k: times[k] / times[ks[0]] for k in ks}, "fill": fill}
+
+
+def _print_table(title: str, header: list[str], rows: list[list[Any]]) -> None:
+    print(f"\n{title}")
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=False)))
+    for r in rows:
+        print("  ".join(str(x).ljust(w) for x, w in zip(r, widths, strict=False)))
+
+
+def baseline(args: argparse.Namespace) -> dict[str, Any]:
+    import jspec  # noqa: PLC0415
+    from jspec import peer  # noqa: PLC0415
+    from jspec.models import registry  # noqa: PLC0415
+
+    model = jspec.load_model(args.model)
+    prompt = model.encode(BENCH_PROMPT)
+    ks = (1, 2, 4, 8, 16)
+    res: dict[str, Any] = {"machine": platform.processor() or platform.machine(),
+                           "jax": jax.__version__, "new_tokens": args.new_tokens,
+                           "repeats": args.repeats, "prompt_tokens": len(prompt)}
+    res["jspec_f32"] = decode_tps(model, prompt, args.new_tokens, args.repeats)
+    res["jspec_c"] = cost_curve(model, ks, args.fill, max(args.repeats, 5))
+    if not args.no_bf16:
+        res["jspec_bf16"] = decode_tps(model.astype("bfloat16"), prompt, args.new_tokens,
+                                       args.repeats)
+    use_peer = not args.no_peer and peer.hf_available() and args.model in registry.REGISTRY
+    if use_peer:
+        hf_dir = str(registry.converted_dir(registry.REGISTRY[args.model]))
+        res["hf_f32"] = peer.hf_decode_tps(hf_dir, prompt, args.new_tokens, "float32", args.repeats)
+        if not args.no_bf16:
+            res["hf_bf16"] = peer.hf_decode_tps(hf_dir, prompt, args.new_tokens, "bfloat16",
+                                                args.repeats)
+        res["hf_c"] = peer.hf_cost_curve(hf_dir, ks=ks, fill=args.fill, dtype="float32",
+                                         repeats=max(args.repeats, 5))
+    rows = [["jspec", "float32", f"{res['jspec_f32']['tokens_per_s']:.1f}"]]
+    if "jspec_bf16" in res:
+        rows.append(["jspec", "bfloat16", f"{res['jspec_bf16']['tokens_per_s']:.1f}"])
+    for key, dt in (("hf_f32", "float32"), ("hf_bf16", "bfloat16")):
+        if key in res:
+            rows.append(["HF transformers", dt, f"{res[key]['tokens_per_s']:.1f}"])
+    _print_table(f"Autoregressive greedy decoding, batch 1, {args.new_tokens} new tokens "
+                 f"(median of {args.repeats})", ["engine", "dtype", "tokens/s"], rows)
+    hf_best = max((res[k]["tokens_per_s"] for k in ("hf_f32", "hf_bf16") if k in res), default=None)
+    if hf_best:
+        ratio = res["jspec_f32"]["tokens_per_s"] / hf_best
+        res["jspec_over_hf_best"] = ratio
+        print(f"jspec float32 / HF best dtype: {ratio:.2f}x")
+    crow = [["jspec", *[f"{res['jspec_c']['c'][k]:.2f}" for k in ks]],
+            ["jspec ms", *[f"{res['jspec_c']['ms'][k]:.1f}" for k in ks]]]
+    if "hf_c" in res:
+        crow.append(["HF", *[f"{res['hf_c']['c'][k]:.2f}" for k in ks]])
+        crow.append(["HF ms", *[f"{res['hf_c']['ms'][k]:.1f}" for k in ks]])
+    _print_table(f"Verification cost c(K) = t(K)/t(1), cache fill {args.fill}, float32",
+                 ["", *[f"K={k}" for k in ks]], crow)
+    return res
+
+
+def main(args: argparse.Namespace) -> int:
+    if not args.baseline:
+        print("nothing to do: pass --baseline (speculative rows arrive with drafters)")
+        return 2
+    res = baseline(args)
+    if args.json_out:
+        args.json_out.write_text(json.dumps(res, indent=1, default=float))
+    return 0
+
+
+def _np(x: Any) -> Any:
+    return np.asarray(x)

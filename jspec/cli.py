@@ -1,0 +1,155 @@
+"""`python -m jspec`: generate text and run benchmarks from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from jspec.errors import JspecError
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 (default) is greedy decoding")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling mass in (0, 1] (1 = all)")
+    p.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default 0)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m jspec", description="jspec: JAX-native speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt or a JSONL file of prompts",
+                       description="Generate text with the target model (plain autoregressive "
+                                   "decoding, or speculative decoding with --drafter).")
+    g.add_argument("--model", default="smollm2-135m",
+                   help="registry name, .gguf file or HF directory (default smollm2-135m)")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompts-file", type=Path,
+                     help="JSONL file, one object per line with a 'prompt' key")
+    g.add_argument("--max-new-tokens", type=int, default=128,
+                   help="maximum new tokens per prompt (default 128)")
+    g.add_argument("--raw", action="store_true",
+                   help="feed the prompt as is instead of through the model's chat template")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON object per prompt (prompt, text, token_ids, new_tokens, "
+                        "rounds, mean_accepted, seconds) instead of streaming text")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="weights/activations dtype (float32 is fastest on CPU)")
+    _add_sampling_args(g)
+
+    b = sub.add_parser("bench", help="benchmarks (see docs/BENCHMARKS.md)",
+                       description="Measure decoding speed; every ratio is measured in one run.")
+    b.add_argument("--model", default="smollm2-135m", help="target model (default smollm2-135m)")
+    b.add_argument("--baseline", action="store_true",
+                   help="autoregressive tokens/s (float32, bfloat16), the verification cost curve "
+                        "c(K), and HF transformers on the same weights when torch is installed")
+    b.add_argument("--new-tokens", type=int, default=128, help="tokens generated per measurement")
+    b.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
+    b.add_argument("--fill", type=int, default=400, help="cache fill for the c(K) curve")
+    b.add_argument("--no-peer", action="store_true", help="skip HF transformers even if installed")
+    b.add_argument("--no-bf16", action="store_true", help="skip the bfloat16 rows")
+    b.add_argument("--json-out", type=Path, help="also write the results as JSON to this file")
+    return parser
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompt is not None:
+        if not args.prompt.strip():
+            raise JspecError("the prompt is empty")
+        return [args.prompt]
+    path: Path = args.prompts_file
+    if not path.is_file():
+        raise JspecError(f"prompts file not found: {path}")
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise JspecError(f"{path}:{n}: not valid JSON ({e.msg})") from e
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+            raise JspecError(f"{path}:{n}: expected an object with a string 'prompt' key")
+        if not obj["prompt"].strip():
+            raise JspecError(f"{path}:{n}: the prompt is empty")
+        prompts.append(obj["prompt"])
+    if not prompts:
+        raise JspecError(f"{path} holds no prompts")
+    return prompts
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import jax  # noqa: PLC0415 (keep --help fast)
+    import numpy as np  # noqa: PLC0415
+
+    import jspec  # noqa: PLC0415
+    from jspec.decode import stream  # noqa: PLC0415
+
+    if args.max_new_tokens < 1:
+        raise JspecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    sampling = jspec.Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    prompts = _read_prompts(args)
+    model = jspec.load_model(args.model, dtype=args.dtype)
+    key = jax.random.key(args.seed)
+    for i, text in enumerate(prompts):
+        ids = model.encode(text, chat=not args.raw)
+        t0 = time.perf_counter()
+        if args.json:
+            out = jspec.generate(model, np.asarray([ids], np.int32), max_new_tokens=args.max_new_tokens,
+                                 sampling=sampling, key=jax.random.fold_in(key, i))
+            tokens, n, stats = jax.device_get((out.tokens, out.lengths, out.stats))
+            secs = time.perf_counter() - t0
+            new = [int(t) for t in tokens[0, : int(n[0])]]
+            rounds = int(stats.rounds[0])
+            rec = {"prompt": text, "text": model.decode(new), "token_ids": new,
+                   "new_tokens": len(new), "rounds": rounds + 1,  # + the prefill's token
+                   "mean_accepted": round((int(stats.emitted[0]) + 1) / (rounds + 1), 4),
+                   "seconds": round(secs, 3)}
+            print(json.dumps(rec), flush=True)
+        else:
+            shown = ""
+            for tokens, num_new, _ in stream(model, np.asarray([ids], np.int32),
+                                             max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                             key=jax.random.fold_in(key, i)):
+                text_now = model.decode(tokens[0, : int(num_new[0])])
+                # Print only the stable part: a partial UTF-8 sequence decodes to U+FFFD.
+                stable = text_now.rstrip("\ufffd")
+                if stable.startswith(shown):
+                    sys.stdout.write(stable[len(shown):])
+                    sys.stdout.flush()
+                    shown = stable
+            sys.stdout.write("\n")
+            if len(prompts) > 1:
+                sys.stdout.write("\n")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from jspec import bench  # noqa: PLC0415
+
+    return bench.main(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "bench":
+            return cmd_bench(args)
+    except JspecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    return 1
