@@ -1,10 +1,13 @@
 """jspec: JAX-native speculative decoding."""
 
-from jspec.decode import DecodeState, GenerateOutput, Stats, generate
+from jspec.decode import GenerateOutput, SpecState, Stats, generate
+from jspec.drafters import DraftModel, NGram, load_drafter
 from jspec.errors import JspecError, ModelLoadError
+from jspec.length import FixedLength
 from jspec.models import Chain, KVCache, Model, ModelConfig, Tree, Weights, forward, load_model
 from jspec.sampling import Sampling
+from jspec.verify import Lossless
 
-__all__ = ["Chain", "DecodeState", "GenerateOutput", "JspecError", "KVCache", "Model",
-           "ModelConfig", "ModelLoadError", "Sampling", "Stats", "Tree", "Weights", "forward",
-           "generate", "load_model"]
+__all__ = ["Chain", "DraftModel", "FixedLength", "GenerateOutput", "JspecError", "KVCache",
+           "Lossless", "Model", "ModelConfig", "ModelLoadError", "NGram", "Sampling", "SpecState",
+           "Stats", "Tree", "Weights", "forward", "generate", "load_drafter", "load_model"]

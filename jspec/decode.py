@@ -65,7 +65,7 @@ class Stats:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class DecodeState:
+class SpecState:
     """Everything a decoding round reads and writes. A pytree; donated between dispatches.
 
     Invariant: the target cache holds every committed token except `last`, which is the
@@ -73,6 +73,7 @@ class DecodeState:
     """
 
     cache: KVCache  # target KV cache; lengths i32[B]
+    seq: jax.Array  # i32[B, C] prompt + committed tokens; seq[b, cache.lengths[b]] == last[b]
     tokens: jax.Array  # i32[B, N] generated tokens, INVALID-padded
     num_new: jax.Array  # i32[B] generated so far (including EOS)
     last: jax.Array  # i32[B] last committed token, not yet in the cache
@@ -101,7 +102,7 @@ def _is_eos(tok: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
 def prefill(config: ModelConfig, weights: Weights, prompt_ids: jax.Array,
             prompt_lengths: jax.Array, key: jax.Array, *, sampling: Sampling,
             max_new_tokens: int, capacity: int, eos_ids: tuple[int, ...], draft_k: int = 0
-            ) -> tuple[DecodeState, Any]:
+            ) -> tuple[SpecState, Any]:
     """Run the prompt through the target and sample the first new token.
 
     Args:
@@ -121,38 +122,95 @@ def prefill(config: ModelConfig, weights: Weights, prompt_ids: jax.Array,
     first = sample(sub, logits, sampling)
     tokens = jnp.full((b, max_new_tokens), INVALID, jnp.int32).at[:, 0].set(first)
     done = _is_eos(first, eos_ids) | (max_new_tokens <= 1)
-    state = DecodeState(cache=out.cache.with_lengths(prompt_lengths), tokens=tokens,
+    seq = jnp.zeros((b, capacity), jnp.int32).at[:, :p].set(prompt_ids)
+    seq = seq.at[jnp.arange(b), prompt_lengths].set(first)
+    state = SpecState(cache=out.cache.with_lengths(prompt_lengths), seq=seq, tokens=tokens,
                         num_new=jnp.ones((b,), jnp.int32), last=first, done=done, key=key,
                         stats=Stats.zeros(b, draft_k))
     return state, out
 
 
-def autoregressive_round(config: ModelConfig, weights: Weights, state: DecodeState, *,
-                         sampling: Sampling, eos_ids: tuple[int, ...]) -> DecodeState:
-    """One target forward over `last`, one new token per unfinished row."""
-    b = state.last.shape[0]
+def commit(state: SpecState, emitted: jax.Array, n_emit: jax.Array, eos_ids: tuple[int, ...],
+           cache: KVCache, n_accepted: jax.Array, n_drafted: int) -> SpecState:
+    """Append up to `n_emit` tokens per live row, stop rows at EOS / max_new_tokens.
+
+    Args:
+      emitted: i32[B, M] this round's tokens (accepted drafts then the correction/bonus token).
+      n_emit: i32[B] in [1, M] how many of them the verifier produced.
+      cache: the target cache after the verify forward; its K/V for `last` and the first
+        n_emit - 1 emitted tokens are valid, so committing is only a length update.
+      n_accepted: i32[B] accepted drafted tokens (for statistics).
+    """
+    b, m = emitted.shape
     n_max = state.tokens.shape[1]
+    live = ~state.done
+    j = jnp.arange(m, dtype=jnp.int32)[None, :]
+    eos = _is_eos(emitted, eos_ids) & (j < n_emit[:, None])
+    first_eos = jnp.min(jnp.where(eos, j, m), axis=1)
+    count = jnp.minimum(jnp.minimum(n_emit, first_eos + 1), n_max - state.num_new)
+    count = jnp.where(live, count, 0)
+    keep = j < count[:, None]
+    rows = jnp.arange(b)[:, None]
+    out_slot = jnp.where(keep, state.num_new[:, None] + j, n_max)  # n_max: dropped
+    tokens = state.tokens.at[rows, out_slot].set(emitted, mode="drop")
+    seq_slot = jnp.where(keep, state.cache.lengths[:, None] + 1 + j, state.seq.shape[1])
+    seq = state.seq.at[rows, seq_slot].set(emitted, mode="drop")
+    num_new = state.num_new + count
+    new_last = jnp.take_along_axis(emitted, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+    hit_eos = live & (first_eos < count)
+    done = state.done | hit_eos | (num_new >= n_max)
+    k = state.stats.accepted_at.shape[1]
+    acc = jnp.where(live, n_accepted, 0)
+    stats = Stats(rounds=state.stats.rounds + live, emitted=state.stats.emitted + count,
+                  accepted=state.stats.accepted + acc,
+                  drafted=state.stats.drafted + live * n_drafted,
+                  accepted_at=state.stats.accepted_at
+                  + (jnp.arange(k)[None, :] < acc[:, None]).astype(jnp.int32))
+    return dataclasses.replace(
+        state, cache=cache.with_lengths(state.cache.lengths + count), seq=seq, tokens=tokens,
+        num_new=num_new, last=jnp.where(count > 0, new_last, state.last), done=done, stats=stats)
+
+
+def autoregressive_round(config: ModelConfig, weights: Weights, state: SpecState, *,
+                         sampling: Sampling, eos_ids: tuple[int, ...]) -> SpecState:
+    """One target forward over `last`, one new token per unfinished row."""
     cache = state.cache
     with jax.named_scope("verify"):
         out = forward(config, weights, state.last[:, None], cache.lengths[:, None], cache)
     key, sub = jax.random.split(state.key)
     nxt = sample(sub, out.logits[:, 0], sampling)
     with jax.named_scope("commit"):
-        live = ~state.done
-        rows = jnp.arange(b)
-        slot = jnp.where(live, state.num_new, n_max)  # out of range -> dropped
-        tokens = state.tokens.at[rows, slot].set(nxt, mode="drop")
-        num_new = state.num_new + live
-        done = state.done | (live & (_is_eos(nxt, eos_ids) | (num_new >= n_max)))
-        lengths = cache.lengths + live
-        stats = dataclasses.replace(state.stats, rounds=state.stats.rounds + live,
-                                    emitted=state.stats.emitted + live)
-    return dataclasses.replace(
-        state, cache=out.cache.with_lengths(lengths), tokens=tokens, num_new=num_new,
-        last=jnp.where(live, nxt, state.last), done=done, key=key, stats=stats)
+        state = commit(state, nxt[:, None], jnp.ones_like(nxt), eos_ids, out.cache,
+                       jnp.zeros_like(nxt), 0)
+    return dataclasses.replace(state, key=key)
 
 
-def run_rounds(round_fn: Any, state: DecodeState, max_rounds: int | jax.Array) -> DecodeState:
+def speculative_round(config: ModelConfig, weights: Weights, drafter: Any, state: SpecState, *,
+                      k: int, sampling: Sampling, eos_ids: tuple[int, ...]) -> SpecState:
+    """draft -> one target forward over [last, x_1..x_k] -> verify -> commit."""
+    from jspec.drafters.base import DraftContext  # noqa: PLC0415
+    from jspec.verify.lossless import verify_chain  # noqa: PLC0415
+
+    key, k_draft, k_verify = jax.random.split(state.key, 3)
+    cache = state.cache
+    ctx = DraftContext(seq=state.seq, cache_len=cache.lengths, last=state.last)
+    with jax.named_scope("draft"):
+        draft, q, dstate = drafter.propose(state.drafter, ctx, k, sampling, k_draft)
+    with jax.named_scope("verify"):
+        toks = jnp.concatenate([state.last[:, None], draft], axis=1)  # [B, k+1]
+        pos = cache.lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
+        out = forward(config, weights, toks, pos, cache)
+    with jax.named_scope("accept"):
+        n, nxt = verify_chain(k_verify, draft, q, out.logits, sampling)
+        rows = jnp.arange(draft.shape[0])
+        emitted = jnp.concatenate([draft, jnp.zeros_like(nxt)[:, None]], axis=1)
+        emitted = emitted.at[rows, n].set(nxt)
+    with jax.named_scope("commit"):
+        state = commit(state, emitted, n + 1, eos_ids, out.cache, n, k)
+    return dataclasses.replace(state, key=key, drafter=dstate)
+
+
+def run_rounds(round_fn: Any, state: SpecState, max_rounds: int | jax.Array) -> SpecState:
     """`lax.while_loop` of `round_fn` until every row is done or `max_rounds` rounds ran."""
     def cond(c):
         s, i = c
@@ -176,6 +234,24 @@ def _generate_autoregressive(weights: Weights, prompt_ids: jax.Array, prompt_len
                        max_new_tokens=max_new_tokens, capacity=capacity, eos_ids=eos_ids)
     round_fn = functools.partial(autoregressive_round, config, weights, sampling=sampling,
                                  eos_ids=eos_ids)
+    state = run_rounds(round_fn, state, max_new_tokens - 1)
+    return GenerateOutput(tokens=state.tokens, lengths=state.num_new, stats=state.stats)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sampling", "max_new_tokens", "capacity",
+                                             "eos_ids", "k"))
+def _generate_speculative(weights: Weights, drafter: Any, prompt_ids: jax.Array,
+                          prompt_lengths: jax.Array, key: jax.Array, *, config: ModelConfig,
+                          sampling: Sampling, max_new_tokens: int, capacity: int,
+                          eos_ids: tuple[int, ...], k: int) -> GenerateOutput:
+    state, _ = prefill(config, weights, prompt_ids, prompt_lengths, key, sampling=sampling,
+                       max_new_tokens=max_new_tokens, capacity=capacity, eos_ids=eos_ids,
+                       draft_k=k)
+    with jax.named_scope("draft_prefill"):
+        dstate = drafter.init_state(None, prompt_ids, prompt_lengths, capacity)
+    state = dataclasses.replace(state, drafter=dstate)
+    round_fn = functools.partial(speculative_round, config, weights, drafter, k=k,
+                                 sampling=sampling, eos_ids=eos_ids)
     state = run_rounds(round_fn, state, max_new_tokens - 1)
     return GenerateOutput(tokens=state.tokens, lengths=state.num_new, stats=state.stats)
 
@@ -267,10 +343,23 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, draft
     if key is None:
         key = jax.random.key(0)
     if drafter is not None:
-        from jspec.speculative import generate_speculative  # noqa: PLC0415
-        return generate_speculative(model, ids, lengths, drafter=drafter,
-                                    max_new_tokens=max_new_tokens, sampling=sampling,
-                                    verifier=verifier, length=length, key=key, capacity=capacity)
+        from jspec.length import FixedLength  # noqa: PLC0415
+        from jspec.verify.lossless import Lossless  # noqa: PLC0415
+
+        length = FixedLength() if length is None else length
+        verifier = Lossless() if verifier is None else verifier
+        if not isinstance(length, FixedLength):
+            raise JspecError(f"length must be a jspec.FixedLength, got {type(length).__name__}")
+        if not isinstance(verifier, Lossless):
+            raise JspecError(f"unsupported verifier {type(verifier).__name__}")
+        cap = capacity or cache_capacity(ids.shape[1], max_new_tokens, length.max_k)
+        if cap < ids.shape[1] + max_new_tokens + length.max_k + 1:
+            raise JspecError(f"cache capacity {cap} cannot hold the prompt, max_new_tokens and a "
+                             f"verify block of {length.max_k + 1}")
+        return _generate_speculative(model.weights, drafter, ids, lengths, key,
+                                     config=model.config, sampling=sampling,
+                                     max_new_tokens=max_new_tokens, capacity=cap,
+                                     eos_ids=model.eos_ids, k=length.k)
     cap = capacity or cache_capacity(ids.shape[1], max_new_tokens)
     return _generate_autoregressive(model.weights, ids, lengths, key, config=model.config,
                                     sampling=sampling, max_new_tokens=max_new_tokens,
@@ -281,7 +370,7 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, draft
                                              "eos_ids"))
 def _prefill_jit(weights: Weights, prompt_ids: jax.Array, prompt_lengths: jax.Array,
                  key: jax.Array, *, config: ModelConfig, sampling: Sampling, max_new_tokens: int,
-                 capacity: int, eos_ids: tuple[int, ...]) -> DecodeState:
+                 capacity: int, eos_ids: tuple[int, ...]) -> SpecState:
     state, _ = prefill(config, weights, prompt_ids, prompt_lengths, key, sampling=sampling,
                        max_new_tokens=max_new_tokens, capacity=capacity, eos_ids=eos_ids)
     return state
@@ -289,8 +378,8 @@ def _prefill_jit(weights: Weights, prompt_ids: jax.Array, prompt_lengths: jax.Ar
 
 @functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "rounds"),
                    donate_argnames=("state",))
-def _chunk_jit(weights: Weights, state: DecodeState, *, config: ModelConfig, sampling: Sampling,
-               eos_ids: tuple[int, ...], rounds: int) -> DecodeState:
+def _chunk_jit(weights: Weights, state: SpecState, *, config: ModelConfig, sampling: Sampling,
+               eos_ids: tuple[int, ...], rounds: int) -> SpecState:
     round_fn = functools.partial(autoregressive_round, config, weights, sampling=sampling,
                                  eos_ids=eos_ids)
     return run_rounds(round_fn, state, rounds)

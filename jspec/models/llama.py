@@ -7,6 +7,7 @@ Covers Llama 2/3, SmolLM2 (llama arch), Qwen2/2.5 (q/k/v bias) and Qwen3 (q/k RM
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import jax
@@ -177,6 +178,7 @@ def lm_logits(config: ModelConfig, weights: Weights, h: jax.Array) -> jax.Array:
     return jnp.einsum("...d,dv->...v", h, weights.lm_head, preferred_element_type=jnp.float32)
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class ForwardOutput:
     logits: jax.Array | None  # f32[B, T, V] (None when logits=False)
@@ -244,7 +246,10 @@ def init_weights(config: ModelConfig, key: jax.Array, scale: float = 0.02) -> We
     d, f, h, kv, hd, n = (config.hidden_size, config.ffn_size, config.num_heads,
                           config.num_kv_heads, config.head_dim, config.num_layers)
     dt = config.jnp_dtype
-    ks = iter(jax.random.split(key, 16))
+    # 16 split keys (kept so existing seeds give the same weights), then fold_in keys for configs
+    # that need more (q/k/v bias + q/k norm + untied head).
+    ks = itertools.chain(jax.random.split(key, 16),
+                         (jax.random.fold_in(key, i) for i in itertools.count(16)))
 
     def rnd(*shape):
         return (scale * jax.random.normal(next(ks), shape, jnp.float32)).astype(dt)

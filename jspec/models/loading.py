@@ -88,29 +88,36 @@ def read_gguf(path: str | os.PathLike, *, undo_qk_permutation: bool = True
     def meta(key: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{key}", default)
 
-    n_head = int(meta("attention.head_count"))
-    n_kv = int(meta("attention.head_count_kv", n_head))
-    hidden = int(meta("embedding_length"))
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    vocab = int(meta("vocab_size", len(tokens) if tokens is not None else 0))
-    head_dim = int(meta("attention.key_length", hidden // n_head))
-    scaling = None
-    if meta("rope.scaling.type") not in (None, "none"):
-        scaling = (("factor", float(meta("rope.scaling.factor"))),
-                   ("rope_type", str(meta("rope.scaling.type"))))
-    names = {t.name for t in reader.tensors}
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    config = ModelConfig(
-        arch=arch, vocab_size=vocab, hidden_size=hidden, num_layers=int(meta("block_count")),
-        num_heads=n_head, num_kv_heads=n_kv, head_dim=head_dim,
-        ffn_size=int(meta("feed_forward_length")),
-        rope_theta=float(meta("rope.freq_base", 10000.0)), rope_scaling=scaling,
-        rms_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_embeddings="output.weight" not in names,
-        qkv_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,
-        max_position=int(meta("context_length", 2048)),
-        bos_id=int(_field(reader, "tokenizer.ggml.bos_token_id", -1)),
-        eos_ids=() if eos is None else (int(eos),))
+    required = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
+    missing = [f"{arch}.{k}" for k in required if meta(k) is None]
+    if missing:
+        raise ModelLoadError(f"GGUF {path.name} lacks required metadata: {', '.join(missing)}")
+    try:
+        n_head = int(meta("attention.head_count"))
+        n_kv = int(meta("attention.head_count_kv", n_head))
+        hidden = int(meta("embedding_length"))
+        tokens = _field(reader, "tokenizer.ggml.tokens")
+        vocab = int(meta("vocab_size", len(tokens) if tokens is not None else 0))
+        head_dim = int(meta("attention.key_length", hidden // n_head))
+        scaling = None
+        if meta("rope.scaling.type") not in (None, "none"):
+            scaling = (("factor", float(meta("rope.scaling.factor"))),
+                       ("rope_type", str(meta("rope.scaling.type"))))
+        names = {t.name for t in reader.tensors}
+        eos = _field(reader, "tokenizer.ggml.eos_token_id")
+        config = ModelConfig(
+            arch=arch, vocab_size=vocab, hidden_size=hidden, num_layers=int(meta("block_count")),
+            num_heads=n_head, num_kv_heads=n_kv, head_dim=head_dim,
+            ffn_size=int(meta("feed_forward_length")),
+            rope_theta=float(meta("rope.freq_base", 10000.0)), rope_scaling=scaling,
+            rms_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+            tie_embeddings="output.weight" not in names,
+            qkv_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,
+            max_position=int(meta("context_length", 2048)),
+            bos_id=int(_field(reader, "tokenizer.ggml.bos_token_id", -1)),
+            eos_ids=() if eos is None else (int(eos),))
+    except (TypeError, ValueError, ZeroDivisionError) as e:  # incl. ModelConfig's JspecError
+        raise ModelLoadError(f"GGUF {path.name} has invalid {arch} metadata: {e}") from e
 
     tensors: dict[str, np.ndarray] = {}
     for t in reader.tensors:

@@ -1,0 +1,70 @@
+"""`load_drafter(name_or_path, target=model)`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from jspec.drafters.draft_model import DraftModel
+from jspec.drafters.ngram import NGram
+from jspec.errors import JspecError, ModelLoadError
+
+
+def _kv_args(spec: str) -> dict[str, int]:
+    out = {}
+    for part in filter(None, spec.split(",")):
+        k, sep, v = part.partition("=")
+        if not sep:
+            raise JspecError(f"bad drafter option {part!r}: expected key=value")
+        try:
+            out[k.strip()] = int(v)
+        except ValueError as e:
+            raise JspecError(f"bad drafter option {part!r}: value must be an integer") from e
+    return out
+
+
+def load_drafter(name_or_path: str | os.PathLike, *, target: Any) -> Any:
+    """A drafter for `target`.
+
+    Accepts: "ngram" or "ngram:n=3" / "ngram:n_max=4,n_min=2"; "early-exit:N" (the target's
+    first N layers + its final norm and LM head); a Hugging Face directory or .gguf file of a
+    small Llama-family model with the target's tokenizer.
+    """
+    from jspec.models.model import load_model  # noqa: PLC0415
+
+    name = str(name_or_path)
+    kind, _, arg = name.partition(":")
+    if kind == "ngram":
+        kw = _kv_args(arg)
+        if "n" in kw:
+            kw["n_max"] = kw.pop("n")
+        unknown = set(kw) - {"n_max", "n_min"}
+        if unknown:
+            raise JspecError(f"unknown ngram option(s) {sorted(unknown)} (n, n_max, n_min)")
+        return NGram(**kw)
+    if kind == "early-exit":
+        try:
+            n = int(arg)
+        except ValueError as e:
+            raise JspecError(f"early-exit needs a layer count, e.g. early-exit:6, got {name!r}") from e
+        if not 1 <= n < target.config.num_layers:
+            raise JspecError(f"early-exit:N needs 1 <= N < {target.config.num_layers}, got {n}")
+        return DraftModel(weights=target.weights, config=target.config, num_layers=n, name=name)
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"unknown drafter {name!r}: expected ngram[:n=N], early-exit:N, or a model directory")
+    draft = load_model(path, dtype=target.config.dtype)
+    check_same_tokenizer(target, draft)
+    return DraftModel(weights=draft.weights, config=draft.config, name=name)
+
+
+def check_same_tokenizer(target: Any, draft: Any) -> None:
+    """Raise unless `draft` can propose token ids in `target`'s vocabulary."""
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise JspecError(f"drafter vocabulary ({draft.config.vocab_size}) differs from the "
+                         f"target's ({target.config.vocab_size}); they must share a tokenizer")
+    tt, dt = target.tokenizer, draft.tokenizer
+    if tt is not None and dt is not None and tt.get_vocab() != dt.get_vocab():
+        raise JspecError("drafter tokenizer differs from the target's; they must share a tokenizer")

@@ -1,0 +1,57 @@
+"""Prompt/context lookup drafting: continue the latest earlier occurrence of the suffix n-gram."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jspec.drafters.base import DraftContext
+from jspec.errors import JspecError
+from jspec.sampling import Sampling
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class NGram:
+    """Propose the k tokens that followed the latest earlier match of the longest suffix n-gram.
+
+    n_max..n_min: suffix lengths tried, longest first. Deterministic, so q is one-hot.
+    A row with no match proposes token 0s, which verification rejects.
+    """
+
+    n_max: int = 3
+    n_min: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.n_min <= self.n_max:
+            raise JspecError(f"NGram needs 1 <= n_min <= n_max, got {self.n_min}, {self.n_max}")
+
+    def init_state(self, target: Any, prompt_ids: jax.Array, prompt_lengths: jax.Array,
+                   capacity: int) -> None:
+        return None
+
+    def lookup(self, seq: jax.Array, seq_len: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+        """(tokens i32[B, k], found bool[B]) for seq i32[B, C] with seq_len i32[B] valid."""
+        b, c = seq.shape
+        j = jnp.arange(c, dtype=jnp.int32)[None, :]  # candidate end positions of a match
+        best_end = jnp.full((b,), -1, jnp.int32)
+        for n in range(self.n_max, self.n_min - 1, -1):
+            match = (j >= n - 1) & (j <= seq_len[:, None] - 2)
+            for i in range(n):
+                tail = jnp.take_along_axis(seq, jnp.maximum(seq_len - 1 - i, 0)[:, None], axis=1)
+                shifted = jnp.roll(seq, i, axis=1)  # shifted[:, j] = seq[:, j - i]
+                match = match & (shifted == tail)
+            end = jnp.max(jnp.where(match, j, -1), axis=1)
+            best_end = jnp.where(best_end >= 0, best_end, end)
+        found = best_end >= 0
+        idx = jnp.clip(best_end[:, None] + 1 + jnp.arange(k, dtype=jnp.int32)[None, :], 0, c - 1)
+        tokens = jnp.take_along_axis(seq, idx, axis=1)
+        return jnp.where(found[:, None], tokens, 0), found
+
+    def propose(self, state: None, ctx: DraftContext, k: int, sampling: Sampling,
+                key: jax.Array) -> tuple[jax.Array, None, None]:
+        tokens, _ = self.lookup(ctx.seq, ctx.cache_len + 1, k)
+        return tokens, None, state
