@@ -135,15 +135,97 @@ def baseline(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+def speculative(args: argparse.Namespace) -> dict[str, Any]:
+    """Speculative rows: every drafter x K x temperature against autoregressive decoding of the
+    same target on the same prompts, in one run. batch 1, prompts one at a time."""
+    import jspec  # noqa: PLC0415
+    from jspec.decode import bucket_length  # noqa: PLC0415
+    from jspec.prompts import load_prompt_set  # noqa: PLC0415
+
+    try:
+        from tqdm import tqdm  # noqa: PLC0415
+    except ImportError:  # pragma: no cover
+        tqdm = None
+    model = jspec.load_model(args.model)
+    rows = load_prompt_set(args.prompts)
+    enc = [model.encode(r["text"]) for r in rows]
+    width = bucket_length(max(map(len, enc)))  # one width for all prompts: one compile per config
+    padded = np.zeros((len(enc), width), np.int32)
+    for i, e in enumerate(enc):
+        padded[i, : len(e)] = e
+    lengths = np.asarray([len(e) for e in enc], np.int32)
+    drafters = [d for d in args.drafters.split(",") if d]
+    ks = [int(k) for k in args.ks.split(",")]
+    temps = [float(t) for t in args.temperatures.split(",")]
+    configs = [(t, None, 0) for t in temps]
+    configs += [(t, d, k) for t in temps for d in drafters for k in ks]
+    loaded = {d: jspec.load_drafter(d, target=model) for d in drafters}
+    results: dict[tuple, dict[str, Any]] = {}
+    bar = tqdm(total=len(configs) * args.repeats * len(enc), desc="bench", unit="prompt",
+               disable=tqdm is None or args.quiet) if tqdm else None
+    for rep in range(args.repeats):
+        for temp, dname, k in configs:
+            kw: dict[str, Any] = dict(max_new_tokens=args.new_tokens,
+                                      sampling=jspec.Sampling(temperature=temp))
+            if dname is not None:
+                kw.update(drafter=loaded[dname], length=jspec.FixedLength(k))
+            res = results.setdefault((temp, dname, k), {"tps": [], "stats": None})
+            if rep == 0:  # compile outside the timed region
+                jax.block_until_ready(jspec.generate(model, padded[:1], lengths[:1], **kw).tokens)
+            tot_tokens, tot_time = 0, 0.0
+            agg = None
+            for i in range(len(enc)):
+                key = jax.random.key(1000 * rep + i)
+                t0 = time.perf_counter()
+                out = jspec.generate(model, padded[i:i + 1], lengths[i:i + 1], key=key, **kw)
+                n = int(out.lengths[0])
+                tot_time += time.perf_counter() - t0
+                tot_tokens += n
+                st = jax.device_get(out.stats)
+                vec = [int(st.rounds[0]), int(st.emitted[0]), *map(int, st.accepted_at[0])]
+                agg = vec if agg is None else [a + b for a, b in zip(agg, vec, strict=True)]
+                if bar:
+                    bar.update(1)
+            res["tps"].append(tot_tokens / tot_time)
+            if rep == 0:
+                res["stats"] = agg
+                res["tokens"] = tot_tokens
+    if bar:
+        bar.close()
+    cost = cost_curve(model, (1, 8), args.fill, 5)
+    out_rows = []
+    table = []
+    for (temp, dname, k), res in results.items():
+        tps = statistics.median(res["tps"])
+        ar = statistics.median(results[(temp, None, 0)]["tps"])
+        rounds, emitted, *acc = res["stats"]
+        row = {"temperature": temp, "drafter": dname or "autoregressive", "k": k,
+               "tokens_per_s": tps, "speedup": tps / ar, "tau": emitted / max(rounds, 1),
+               "accept_by_position": [a / max(rounds, 1) for a in acc],
+               "new_tokens": res["tokens"]}
+        out_rows.append(row)
+        table.append([f"{temp:g}", row["drafter"], k or "-", f"{tps:.1f}", f"{row['speedup']:.2f}x",
+                      f"{row['tau']:.2f}" if dname else "1.00",
+                      " ".join(f"{a:.2f}" for a in row["accept_by_position"]) or "-"])
+    _print_table(f"Speculative decoding on {args.prompts} ({len(enc)} prompts, batch 1, "
+                 f"{args.new_tokens} new tokens, median of {args.repeats} sweeps); "
+                 f"rho_8 = t(8)/t(1) = {cost['c'][8]:.2f}",
+                 ["T", "drafter", "K", "tokens/s", "speedup", "tau", "acceptance by position"],
+                 table)
+    return {"prompts": args.prompts, "rows": out_rows, "rho_8": cost["c"][8],
+            "new_tokens": args.new_tokens, "repeats": args.repeats}
+
+
 def main(args: argparse.Namespace) -> int:
-    if not args.baseline:
-        print("nothing to do: pass --baseline (speculative rows arrive with drafters)")
-        return 2
-    res = baseline(args)
+    from jspec.errors import JspecError  # noqa: PLC0415
+
+    if not args.baseline and not args.drafters:
+        raise JspecError("nothing to measure: pass --baseline and/or --drafters")
+    res: dict[str, Any] = {}
+    if args.baseline:
+        res["baseline"] = baseline(args)
+    if args.drafters:
+        res["speculative"] = speculative(args)
     if args.json_out:
         args.json_out.write_text(json.dumps(res, indent=1, default=float))
     return 0
-
-
-def _np(x: Any) -> Any:
-    return np.asarray(x)

@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "rounds, mean_accepted, seconds) instead of streaming text")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="weights/activations dtype (float32 is fastest on CPU)")
+    g.add_argument("--drafter", help="speculative decoding with this drafter: ngram[:n=N], "
+                                     "early-exit:N, or a draft model directory / .gguf "
+                                     "(default: plain autoregressive decoding)")
+    g.add_argument("--k", type=int, help="drafted tokens verified per round (default 5); "
+                                          "short for --length fixed:K")
+    g.add_argument("--length", help="speculation length policy: fixed:K")
     _add_sampling_args(g)
 
     b = sub.add_parser("bench", help="benchmarks (see docs/BENCHMARKS.md)",
@@ -57,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--fill", type=int, default=400, help="cache fill for the c(K) curve")
     b.add_argument("--no-peer", action="store_true", help="skip HF transformers even if installed")
     b.add_argument("--no-bf16", action="store_true", help="skip the bfloat16 rows")
+    b.add_argument("--drafters", default="",
+                   help="comma-separated drafters for speculative rows, e.g. ngram,early-exit:6")
+    b.add_argument("--ks", default="2,4,8", help="comma-separated speculation lengths K")
+    b.add_argument("--temperatures", default="0,1", help="comma-separated temperatures")
+    b.add_argument("--prompts", default="humaneval:8",
+                   help="prompt set and range, e.g. humaneval:8 or humaneval:100-164")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--json-out", type=Path, help="also write the results as JSON to this file")
     return parser
 
@@ -97,29 +110,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise JspecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = jspec.Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    length = _length(args)
     prompts = _read_prompts(args)
     model = jspec.load_model(args.model, dtype=args.dtype)
+    drafter = jspec.load_drafter(args.drafter, target=model) if args.drafter else None
+    if drafter is None and length is not None:
+        raise JspecError("--k/--length need --drafter")
+    spec = dict(drafter=drafter, length=length)
     key = jax.random.key(args.seed)
     for i, text in enumerate(prompts):
         ids = model.encode(text, chat=not args.raw)
         t0 = time.perf_counter()
         if args.json:
-            out = jspec.generate(model, np.asarray([ids], np.int32), max_new_tokens=args.max_new_tokens,
-                                 sampling=sampling, key=jax.random.fold_in(key, i))
+            out = jspec.generate(model, np.asarray([ids], np.int32),
+                                 max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                 key=jax.random.fold_in(key, i), **spec)
             tokens, n, stats = jax.device_get((out.tokens, out.lengths, out.stats))
             secs = time.perf_counter() - t0
             new = [int(t) for t in tokens[0, : int(n[0])]]
-            rounds = int(stats.rounds[0])
+            # rounds: target verify passes after the prompt's (which gives the first token);
+            # mean_accepted: tokens committed per such round (accepted drafts + 1).
             rec = {"prompt": text, "text": model.decode(new), "token_ids": new,
-                   "new_tokens": len(new), "rounds": rounds + 1,  # + the prefill's token
-                   "mean_accepted": round((int(stats.emitted[0]) + 1) / (rounds + 1), 4),
+                   "new_tokens": len(new), "rounds": int(stats.rounds[0]),
+                   "mean_accepted": round(float(stats.mean_accepted()[0]), 4),
                    "seconds": round(secs, 3)}
             print(json.dumps(rec), flush=True)
         else:
             shown = ""
-            for tokens, num_new, _ in stream(model, np.asarray([ids], np.int32),
-                                             max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                             key=jax.random.fold_in(key, i)):
+            for tokens, num_new, _, _ in stream(model, np.asarray([ids], np.int32),
+                                                max_new_tokens=args.max_new_tokens,
+                                                sampling=sampling, key=jax.random.fold_in(key, i),
+                                                **spec):
                 text_now = model.decode(tokens[0, : int(num_new[0])])
                 # Print only the stable part: a partial UTF-8 sequence decodes to U+FFFD.
                 stable = text_now.rstrip("\ufffd")
@@ -131,6 +152,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if len(prompts) > 1:
                 sys.stdout.write("\n")
     return 0
+
+
+def _length(args: argparse.Namespace) -> Any:
+    from jspec.length import FixedLength, parse_length  # noqa: PLC0415
+
+    if args.k is not None and args.length is not None:
+        raise JspecError("give --k or --length, not both")
+    if args.k is not None:
+        return FixedLength(args.k)
+    if args.length is not None:
+        return parse_length(args.length)
+    return None
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -224,36 +224,58 @@ def run_rounds(round_fn: Any, state: SpecState, max_rounds: int | jax.Array) -> 
     return state
 
 
-@functools.partial(jax.jit, static_argnames=("config", "sampling", "max_new_tokens", "capacity",
-                                             "eos_ids"))
-def _generate_autoregressive(weights: Weights, prompt_ids: jax.Array, prompt_lengths: jax.Array,
-                             key: jax.Array, *, config: ModelConfig, sampling: Sampling,
-                             max_new_tokens: int, capacity: int, eos_ids: tuple[int, ...]
-                             ) -> GenerateOutput:
-    state, _ = prefill(config, weights, prompt_ids, prompt_lengths, key, sampling=sampling,
-                       max_new_tokens=max_new_tokens, capacity=capacity, eos_ids=eos_ids)
-    round_fn = functools.partial(autoregressive_round, config, weights, sampling=sampling,
+def make_round(config: ModelConfig, weights: Weights, drafter: Any, *, k: int,
+               sampling: Sampling, eos_ids: tuple[int, ...]) -> Any:
+    """The round function `SpecState -> SpecState` for this drafter (None: autoregressive)."""
+    if drafter is None:
+        return functools.partial(autoregressive_round, config, weights, sampling=sampling,
                                  eos_ids=eos_ids)
-    state = run_rounds(round_fn, state, max_new_tokens - 1)
-    return GenerateOutput(tokens=state.tokens, lengths=state.num_new, stats=state.stats)
+    return functools.partial(speculative_round, config, weights, drafter, k=k, sampling=sampling,
+                             eos_ids=eos_ids)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "sampling", "max_new_tokens", "capacity",
-                                             "eos_ids", "k"))
-def _generate_speculative(weights: Weights, drafter: Any, prompt_ids: jax.Array,
-                          prompt_lengths: jax.Array, key: jax.Array, *, config: ModelConfig,
-                          sampling: Sampling, max_new_tokens: int, capacity: int,
-                          eos_ids: tuple[int, ...], k: int) -> GenerateOutput:
+def init_state(config: ModelConfig, weights: Weights, drafter: Any, prompt_ids: jax.Array,
+               prompt_lengths: jax.Array, key: jax.Array, *, sampling: Sampling,
+               max_new_tokens: int, capacity: int, eos_ids: tuple[int, ...], k: int) -> SpecState:
+    """Prefill the target (and the drafter) and sample the first new token."""
     state, _ = prefill(config, weights, prompt_ids, prompt_lengths, key, sampling=sampling,
                        max_new_tokens=max_new_tokens, capacity=capacity, eos_ids=eos_ids,
                        draft_k=k)
-    with jax.named_scope("draft_prefill"):
-        dstate = drafter.init_state(None, prompt_ids, prompt_lengths, capacity)
-    state = dataclasses.replace(state, drafter=dstate)
-    round_fn = functools.partial(speculative_round, config, weights, drafter, k=k,
-                                 sampling=sampling, eos_ids=eos_ids)
+    if drafter is not None:
+        with jax.named_scope("draft_prefill"):
+            state = dataclasses.replace(
+                state, drafter=drafter.init_state(None, prompt_ids, prompt_lengths, capacity))
+    return state
+
+
+_STATIC = ("config", "sampling", "max_new_tokens", "capacity", "eos_ids", "k")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _generate(weights: Weights, drafter: Any, prompt_ids: jax.Array, prompt_lengths: jax.Array,
+              key: jax.Array, *, config: ModelConfig, sampling: Sampling, max_new_tokens: int,
+              capacity: int, eos_ids: tuple[int, ...], k: int) -> GenerateOutput:
+    state = init_state(config, weights, drafter, prompt_ids, prompt_lengths, key,
+                       sampling=sampling, max_new_tokens=max_new_tokens, capacity=capacity,
+                       eos_ids=eos_ids, k=k)
+    round_fn = make_round(config, weights, drafter, k=k, sampling=sampling, eos_ids=eos_ids)
     state = run_rounds(round_fn, state, max_new_tokens - 1)
     return GenerateOutput(tokens=state.tokens, lengths=state.num_new, stats=state.stats)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _init_jit(weights: Weights, drafter: Any, prompt_ids: jax.Array, prompt_lengths: jax.Array,
+              key: jax.Array, **statics: Any) -> SpecState:
+    return init_state(statics["config"], weights, drafter, prompt_ids, prompt_lengths, key,
+                      **{k: v for k, v in statics.items() if k != "config"})
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "k", "rounds"),
+                   donate_argnames=("state",))
+def _chunk_jit(weights: Weights, drafter: Any, state: SpecState, *, config: ModelConfig,
+               sampling: Sampling, eos_ids: tuple[int, ...], k: int, rounds: int) -> SpecState:
+    round_fn = make_round(config, weights, drafter, k=k, sampling=sampling, eos_ids=eos_ids)
+    return run_rounds(round_fn, state, rounds)
 
 
 def _is_concrete(x: Any) -> bool:
@@ -340,69 +362,55 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, draft
         raise JspecError(f"sampling must be a jspec.Sampling, got {type(sampling).__name__}")
     ids, lengths = validate_prompts(model, prompt_ids, prompt_lengths, max_new_tokens, capacity)
     ids = pad_to_bucket(ids)
-    if key is None:
-        key = jax.random.key(0)
-    if drafter is not None:
-        from jspec.length import FixedLength  # noqa: PLC0415
-        from jspec.verify.lossless import Lossless  # noqa: PLC0415
+    key = jax.random.key(0) if key is None else key
+    statics = _statics(model, ids, drafter, sampling, max_new_tokens, verifier, length, capacity)
+    return _generate(model.weights, drafter, ids, lengths, key, **statics)
 
+
+def _statics(model: Model, ids: jax.Array, drafter: Any, sampling: Sampling, max_new_tokens: int,
+             verifier: Any, length: Any, capacity: int | None) -> dict[str, Any]:
+    from jspec.length import FixedLength  # noqa: PLC0415
+    from jspec.verify.lossless import Lossless  # noqa: PLC0415
+
+    k = 0
+    if drafter is not None:
         length = FixedLength() if length is None else length
         verifier = Lossless() if verifier is None else verifier
         if not isinstance(length, FixedLength):
             raise JspecError(f"length must be a jspec.FixedLength, got {type(length).__name__}")
         if not isinstance(verifier, Lossless):
             raise JspecError(f"unsupported verifier {type(verifier).__name__}")
-        cap = capacity or cache_capacity(ids.shape[1], max_new_tokens, length.max_k)
-        if cap < ids.shape[1] + max_new_tokens + length.max_k + 1:
-            raise JspecError(f"cache capacity {cap} cannot hold the prompt, max_new_tokens and a "
-                             f"verify block of {length.max_k + 1}")
-        return _generate_speculative(model.weights, drafter, ids, lengths, key,
-                                     config=model.config, sampling=sampling,
-                                     max_new_tokens=max_new_tokens, capacity=cap,
-                                     eos_ids=model.eos_ids, k=length.k)
-    cap = capacity or cache_capacity(ids.shape[1], max_new_tokens)
-    return _generate_autoregressive(model.weights, ids, lengths, key, config=model.config,
-                                    sampling=sampling, max_new_tokens=max_new_tokens,
-                                    capacity=cap, eos_ids=model.eos_ids)
+        k = length.k
+    elif verifier is not None or length is not None:
+        raise JspecError("verifier= and length= need a drafter")
+    cap = capacity or cache_capacity(ids.shape[1], max_new_tokens, k)
+    if cap < ids.shape[1] + max_new_tokens + k + 1:
+        raise JspecError(f"prompt width {ids.shape[1]} + max_new_tokens {max_new_tokens} + a "
+                         f"verify block of {k + 1} does not fit the cache capacity {cap}")
+    return dict(config=model.config, sampling=sampling, max_new_tokens=max_new_tokens,
+                capacity=cap, eos_ids=model.eos_ids, k=k)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "sampling", "max_new_tokens", "capacity",
-                                             "eos_ids"))
-def _prefill_jit(weights: Weights, prompt_ids: jax.Array, prompt_lengths: jax.Array,
-                 key: jax.Array, *, config: ModelConfig, sampling: Sampling, max_new_tokens: int,
-                 capacity: int, eos_ids: tuple[int, ...]) -> SpecState:
-    state, _ = prefill(config, weights, prompt_ids, prompt_lengths, key, sampling=sampling,
-                       max_new_tokens=max_new_tokens, capacity=capacity, eos_ids=eos_ids)
-    return state
+def stream(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, drafter: Any = None,
+           max_new_tokens: int = 128, sampling: Sampling = Sampling(), verifier: Any = None,
+           length: Any = None, key: jax.Array | None = None, rounds_per_dispatch: int = 8):
+    """Yield (tokens i32[B, N], num_new i32[B], stats, all_done) after each dispatch.
 
-
-@functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "rounds"),
-                   donate_argnames=("state",))
-def _chunk_jit(weights: Weights, state: SpecState, *, config: ModelConfig, sampling: Sampling,
-               eos_ids: tuple[int, ...], rounds: int) -> SpecState:
-    round_fn = functools.partial(autoregressive_round, config, weights, sampling=sampling,
-                                 eos_ids=eos_ids)
-    return run_rounds(round_fn, state, rounds)
-
-
-def stream(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
-           max_new_tokens: int = 128, sampling: Sampling = Sampling(),
-           key: jax.Array | None = None, rounds_per_dispatch: int = 8):
-    """Yield (new tokens so far, done) for one dispatch of `rounds_per_dispatch` rounds at a time.
-
-    The same rounds as `generate`; the host reads the state once per dispatch (not per token),
-    which is what lets a terminal show text as it is produced.
+    The same rounds as `generate`, `rounds_per_dispatch` of them per device dispatch; the host
+    reads the state once per dispatch (not per token), which lets a terminal show text as it
+    is produced.
     """
-    ids, lengths = validate_prompts(model, prompt_ids, prompt_lengths, max_new_tokens, None)
+    ids, lengths = validate_prompts(model, prompt_ids, prompt_lengths, max_new_tokens, capacity=None)
     ids = pad_to_bucket(ids)
     key = jax.random.key(0) if key is None else key
-    cap = cache_capacity(ids.shape[1], max_new_tokens)
-    statics = dict(config=model.config, sampling=sampling, eos_ids=model.eos_ids)
-    state = _prefill_jit(model.weights, ids, lengths, key, max_new_tokens=max_new_tokens,
-                         capacity=cap, **statics)
+    statics = _statics(model, ids, drafter, sampling, max_new_tokens, verifier, length, None)
+    state = _init_jit(model.weights, drafter, ids, lengths, key, **statics)
+    loop_statics = {k: statics[k] for k in ("config", "sampling", "eos_ids", "k")}
     while True:
-        tokens, num_new, done = jax.device_get((state.tokens, state.num_new, state.done))
-        yield tokens, num_new, bool(done.all())
+        tokens, num_new, done, st = jax.device_get(
+            (state.tokens, state.num_new, state.done, state.stats))
+        yield tokens, num_new, st, bool(done.all())
         if done.all():
             return
-        state = _chunk_jit(model.weights, state, rounds=rounds_per_dispatch, **statics)
+        state = _chunk_jit(model.weights, drafter, state, rounds=rounds_per_dispatch,
+                           **loop_statics)

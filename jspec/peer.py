@@ -3,7 +3,10 @@
 Needs the `peer` extra (torch). torch is imported lazily, so `import jspec.peer` works without it;
 call `hf_available()` first. Every function returns a plain dict of numbers and settings.
 Timings use `time.perf_counter`, run under `torch.inference_mode()` with `torch.set_num_threads`
-set to `THREADS`, exclude one warm-up run, and report medians over `repeats`.
+set to `threads` (default `THREADS` = 2), exclude one warm-up run, and report medians over
+`repeats`. On a CPU shared with other work, use fewer threads than free cores: with every core
+busy, a 2-thread float32 torch decode was measured ~10x slower than a 1-thread one (OpenMP
+threads wait on each other at every op).
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ def hf_available() -> bool:
     return all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
 
 
-def _setup() -> Any:
+def _setup(threads: int = THREADS) -> Any:
     import torch  # noqa: PLC0415
 
-    torch.set_num_threads(THREADS)
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
     return torch
 
 
@@ -43,7 +48,8 @@ def _versions() -> dict[str, str]:
 
 
 def _torch_dtype(dtype: str) -> Any:
-    torch = _setup()
+    import torch  # noqa: PLC0415
+
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     return getattr(torch, dtype)
@@ -59,7 +65,8 @@ def _load(hf_dir: str, dtype: str) -> Any:
 
 
 def _prompt(prompt_ids: list[int]) -> tuple[Any, Any]:
-    torch = _setup()
+    import torch  # noqa: PLC0415
+
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     ids = torch.tensor([list(map(int, prompt_ids))], dtype=torch.long)
@@ -90,7 +97,8 @@ def _timed(fn: Any, repeats: int) -> tuple[list[float], Any]:
 
 
 def hf_decode_tps(hf_dir: str | os.PathLike, prompt_ids: list[int], new_tokens: int,
-                  dtype: str = "float32", repeats: int = 3) -> dict[str, Any]:
+                  dtype: str = "float32", repeats: int = 3, *, threads: int = THREADS
+                  ) -> dict[str, Any]:
     """Plain greedy `generate` throughput of the HF model.
 
     Each run generates exactly `new_tokens` tokens (`min_new_tokens = max_new_tokens`). The
@@ -103,12 +111,13 @@ def hf_decode_tps(hf_dir: str | os.PathLike, prompt_ids: list[int], new_tokens: 
       new_tokens: tokens to generate per run.
       dtype: "float32", "bfloat16" or "float16".
       repeats: timed runs (after one warm-up run).
+      threads: torch intra-op threads.
     Returns:
       dict with `tokens_per_s` (end-to-end, median), `decode_tokens_per_s` ((new_tokens - 1) /
       (median total - median prefill)), `seconds` (median total), `prefill_seconds`, per-run
       `seconds_all`, the generated `tokens`, and the settings.
     """
-    torch = _setup()
+    torch = _setup(threads)
     model = _load(str(hf_dir), dtype)
     ids, mask = _prompt(prompt_ids)
     kwargs = _greedy_kwargs(model, new_tokens)
@@ -122,7 +131,7 @@ def hf_decode_tps(hf_dir: str | os.PathLike, prompt_ids: list[int], new_tokens: 
     prefill = statistics.median(pre_times)
     decode = total - prefill
     return {
-        "engine": "hf", "mode": "greedy", "dtype": dtype, "threads": THREADS,
+        "engine": "hf", "mode": "greedy", "dtype": dtype, "threads": threads,
         "prompt_tokens": len(prompt_ids), "new_tokens": len(new), "repeats": repeats,
         "seconds": total, "seconds_all": times, "prefill_seconds": prefill,
         "tokens_per_s": len(new) / total,
@@ -132,7 +141,8 @@ def hf_decode_tps(hf_dir: str | os.PathLike, prompt_ids: list[int], new_tokens: 
 
 
 def hf_cost_curve(hf_dir: str | os.PathLike, ks: tuple[int, ...] = (1, 2, 4, 8, 16), fill: int = 400,
-                  dtype: str = "float32", repeats: int = 5) -> dict[str, Any]:
+                  dtype: str = "float32", repeats: int = 5, *, threads: int = THREADS
+                  ) -> dict[str, Any]:
     """Relative cost of one HF forward over K new tokens with `fill` tokens already cached.
 
     The cache is prefilled once (a `DynamicCache` over `fill` deterministic token ids); every
@@ -145,10 +155,11 @@ def hf_cost_curve(hf_dir: str | os.PathLike, ks: tuple[int, ...] = (1, 2, 4, 8, 
       fill: tokens already in the KV cache.
       dtype: "float32", "bfloat16" or "float16".
       repeats: timed forwards per K (after one warm-up forward).
+      threads: torch intra-op threads.
     Returns:
       dict with `seconds` {K: median seconds}, `ratio` {K: t(K) / t(1)}, and the settings.
     """
-    torch = _setup()
+    torch = _setup(threads)
     from transformers import DynamicCache  # noqa: PLC0415
 
     if fill < 1:
@@ -184,14 +195,14 @@ def hf_cost_curve(hf_dir: str | os.PathLike, ks: tuple[int, ...] = (1, 2, 4, 8, 
                     times.append(dt)
             seconds[k] = statistics.median(times)
     return {
-        "engine": "hf", "dtype": dtype, "threads": THREADS, "fill": fill, "repeats": repeats,
+        "engine": "hf", "dtype": dtype, "threads": threads, "fill": fill, "repeats": repeats,
         "seconds": seconds, "ratio": {k: seconds[k] / seconds[1] for k in ks}, **_versions(),
     }
 
 
 def hf_assisted_tps(hf_dir: str | os.PathLike, prompt_ids: list[int], new_tokens: int,
-                    mode: str = "prompt_lookup", repeats: int = 3, dtype: str = "float32"
-                    ) -> dict[str, Any]:
+                    mode: str = "prompt_lookup", repeats: int = 3, dtype: str = "float32", *,
+                    threads: int = THREADS) -> dict[str, Any]:
     """Greedy HF assisted generation throughput.
 
     Modes: "self" uses a second copy of the same model as `assistant_model` (every draft is
@@ -206,11 +217,12 @@ def hf_assisted_tps(hf_dir: str | os.PathLike, prompt_ids: list[int], new_tokens
       mode: "self" or "prompt_lookup".
       repeats: timed runs (after one warm-up run).
       dtype: "float32", "bfloat16" or "float16".
+      threads: torch intra-op threads.
     Returns:
       dict with `tokens_per_s` (end-to-end, median), `seconds` (median), per-run `seconds_all`,
       `matches_greedy` (output equals plain greedy `generate`), the tokens and the settings.
     """
-    torch = _setup()
+    torch = _setup(threads)
     if mode not in ASSISTED_MODES:
         raise ValueError(f"mode must be one of {ASSISTED_MODES}, got {mode!r}")
     model = _load(str(hf_dir), dtype)
@@ -237,7 +249,7 @@ def hf_assisted_tps(hf_dir: str | os.PathLike, prompt_ids: list[int], new_tokens
     new = out[0, ids.shape[1]:].tolist()
     total = statistics.median(times)
     return {
-        "engine": "hf", "mode": f"assisted_{mode}", "dtype": dtype, "threads": THREADS,
+        "engine": "hf", "mode": f"assisted_{mode}", "dtype": dtype, "threads": threads,
         "prompt_tokens": len(prompt_ids), "new_tokens": len(new), "repeats": repeats,
         "seconds": total, "seconds_all": times, "tokens_per_s": len(new) / total,
         "matches_greedy": new == greedy[0, ids.shape[1]:].tolist(),

@@ -9,7 +9,7 @@ import pytest
 from conftest import tiny_model
 
 import jspec
-from jspec.decode import _generate_autoregressive
+from jspec.decode import _generate
 
 
 def _greedy_reference(model, ids, n):
@@ -108,11 +108,11 @@ def test_inside_user_jit_and_scan():
 def test_second_call_same_bucket_does_not_recompile():
     model = tiny_model()
     jspec.generate(model, np.asarray([[5, 17, 33]], np.int32), max_new_tokens=5)
-    before = _generate_autoregressive._cache_size()
+    before = _generate._cache_size()
     # Another prompt, another length, the same bucket: no new compile.
     out = jspec.generate(model, np.asarray([[9, 8, 7, 6, 5, 4, 3]], np.int32), max_new_tokens=5)
     out.tokens.block_until_ready()
-    assert _generate_autoregressive._cache_size() == before
+    assert _generate._cache_size() == before
 
 
 @pytest.mark.parametrize("kwargs, match", [

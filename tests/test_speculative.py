@@ -12,7 +12,7 @@ from conftest import tiny_model
 from scipy import stats as sps
 
 import jspec
-from jspec.decode import _generate_speculative
+from jspec.decode import _generate
 from jspec.drafters import DraftModel, NGram
 from jspec.verify import verify_chain
 
@@ -256,11 +256,11 @@ def test_speculative_inside_jit_and_scan_and_no_recompile():
     _, outs = jax.lax.scan(body, 0, (np.stack([ids, ids]), np.stack([lengths, lengths])))
     np.testing.assert_array_equal(outs[0], eager.tokens)
 
-    before = _generate_speculative._cache_size()
+    before = _generate._cache_size()
     ids2, lengths2 = _pad([[40, 41, 42], [50]])
     jspec.generate(model, ids2, lengths2, max_new_tokens=8, drafter=drafter,
                    length=jspec.FixedLength(3)).tokens.block_until_ready()
-    assert _generate_speculative._cache_size() == before
+    assert _generate._cache_size() == before
 
 
 def test_stats_are_consistent():
