@@ -147,7 +147,7 @@ def hf_cost_curve(hf_dir: str | os.PathLike, ks: tuple[int, ...] = (1, 2, 4, 8, 
 
     The cache is prefilled once (a `DynamicCache` over `fill` deterministic token ids); every
     timed forward appends K tokens and the cache is cropped back to `fill` outside the timed
-    region. Only the forward itself is timed.
+    region. Only the forward itself is timed; the K values take turns within each repeat.
 
     Args:
       hf_dir: Hugging Face model directory.
@@ -171,7 +171,7 @@ def hf_cost_curve(hf_dir: str | os.PathLike, ks: tuple[int, ...] = (1, 2, 4, 8, 
     ks = tuple(sorted({1, *(int(k) for k in ks)}))
     # deterministic, non-special filler tokens
     prefix = (torch.arange(fill, dtype=torch.long) * 7919 % (vocab - 1000) + 1000)[None]
-    seconds: dict[int, float] = {}
+    times: dict[int, list[float]] = {k: [] for k in ks}
     # transformers 5.x renamed `past_key_values` to `cache` (the old name is deprecated)
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.inference_mode():
@@ -179,21 +179,21 @@ def hf_cost_curve(hf_dir: str | os.PathLike, ks: tuple[int, ...] = (1, 2, 4, 8, 
         model(prefix, use_cache=True, **{cache_kw: cache})
         if cache.get_seq_length() != fill:
             raise RuntimeError(f"prefill left {cache.get_seq_length()} cached tokens, not {fill}")
-        for k in ks:
-            new = (torch.arange(k, dtype=torch.long) * 31 % (vocab - 1000) + 1000)[None]
-            positions = torch.arange(fill, fill + k, dtype=torch.long)
-            times = []
-            for r in range(repeats + 1):  # run 0 is the warm-up
+        # K values are interleaved within each repeat so that drifting machine load hits all alike
+        for r in range(repeats + 1):  # repeat 0 is the warm-up
+            for k in ks:
+                new = (torch.arange(k, dtype=torch.long) * 31 % (vocab - 1000) + 1000)[None]
+                positions = torch.arange(fill, fill + k, dtype=torch.long)[None]
                 t0 = time.perf_counter()
-                model(new, use_cache=True, position_ids=positions[None], logits_to_keep=k,
+                model(new, use_cache=True, position_ids=positions, logits_to_keep=k,
                       **{cache_kw: cache})
                 dt = time.perf_counter() - t0
-                cache.crop(-k)  # negative: remove k tokens (works on transformers 4.x and 5.x)
+                cache.crop(-k)  # negative: remove k tokens (transformers 4.x and 5.x alike)
                 if cache.get_seq_length() != fill:
                     raise RuntimeError(f"cache holds {cache.get_seq_length()} tokens after crop")
                 if r:
-                    times.append(dt)
-            seconds[k] = statistics.median(times)
+                    times[k].append(dt)
+    seconds = {k: statistics.median(v) for k, v in times.items()}
     return {
         "engine": "hf", "dtype": dtype, "threads": threads, "fill": fill, "repeats": repeats,
         "seconds": seconds, "ratio": {k: seconds[k] / seconds[1] for k in ks}, **_versions(),

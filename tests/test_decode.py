@@ -17,13 +17,18 @@ def _greedy_reference(model, ids, n):
     from jspec.models.cache import KVCache
     from jspec.models.llama import forward
 
+    width = 32  # fixed width (causal: the padding after the sequence changes nothing before it)
+
+    @jax.jit
+    def logits_at(w, toks, pos):
+        cache = KVCache.create(model.config, 1, width)
+        return forward(model.config, w, toks, jnp.arange(width)[None], cache).logits[0, pos]
+
     seq = list(ids)
     out = []
     for _ in range(n):
-        t = jnp.asarray([seq], jnp.int32)
-        cache = KVCache.create(model.config, 1, 128)
-        logits = forward(model.config, model.weights, t, jnp.arange(len(seq))[None], cache).logits
-        nxt = int(jnp.argmax(logits[0, -1]))
+        t = jnp.asarray([seq + [0] * (width - len(seq))], jnp.int32)
+        nxt = int(jnp.argmax(logits_at(model.weights, t, len(seq) - 1)))
         out.append(nxt)
         seq.append(nxt)
         if nxt in model.config.eos_ids:

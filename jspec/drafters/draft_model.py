@@ -52,7 +52,7 @@ class DraftModel:
                 key: jax.Array) -> tuple[jax.Array, jax.Array | None, DraftModelState]:
         """Draft k tokens. The first step re-feeds [token before last, last], which also
         catches the draft cache up when the previous round accepted every drafted token."""
-        L = ctx.cache_len  # noqa: N806
+        L = ctx.cache_len
         prev = jnp.take_along_axis(ctx.seq, (L - 1)[:, None], axis=1)[:, 0]
         cache = state.cache.with_lengths(L - 1)
         toks = jnp.stack([prev, ctx.last], axis=1)

@@ -207,7 +207,7 @@ def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions:
     Returns:
       ForwardOutput with logits f32[B, T, V], the cache (lengths unchanged), hidden states.
     """
-    b, t = tokens.shape
+    t = tokens.shape[1]
     n_layers = config.num_layers if num_layers is None else num_layers
     inv_freq = jnp.asarray(config.inv_freq())
     x = jnp.take(weights.embed, tokens, axis=0).astype(config.jnp_dtype)  # [B, T, D]
