@@ -94,8 +94,8 @@ def test_hf_dir_load_as_bfloat16(tmp_path):
     write_hf_dir(tmp_path, model.config, weights_to_hf(model.config, model.weights))
     bf = jspec.load_model(str(tmp_path), dtype="bfloat16")
     assert bf.config == model.config.replace(dtype="bfloat16")
-    assert bf.weights.layers.wq.dtype == jnp.bfloat16 and bf.weights.embed.dtype == jnp.bfloat16
-    assert bf.weights.layers.q_norm.dtype == jnp.float32
+    assert bf.weights.layers[0].wq.dtype == jnp.bfloat16 and bf.weights.embed.dtype == jnp.bfloat16
+    assert bf.weights.layers[0].q_norm.dtype == jnp.float32
     assert bf.weights.final_norm.dtype == jnp.float32
 
 

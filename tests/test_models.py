@@ -82,7 +82,7 @@ def ref_forward(cfg: ModelConfig, weights: Weights, tokens, positions=None):
     inv = ref_inv_freq(cfg)
     x = w.embed[tokens]
     hiddens = [x]
-    lw = w.layers
+    lw = jax.tree.map(lambda *a: np.stack(a), *w.layers)  # [L, ...] stacked for indexing
     for layer in range(cfg.num_layers):
         y = _rmsnorm(x, lw.attn_norm[layer], cfg.rms_eps)
         q, k, v = y @ lw.wq[layer], y @ lw.wk[layer], y @ lw.wv[layer]
@@ -191,8 +191,8 @@ def test_forward_matches_numpy_reference(name):
         _close(out.logits[b], ref)
     # the new K/V land in slots 0..N-1; forward never advances the lengths
     assert np.all(np.asarray(out.cache.lengths) == 0)
-    assert np.any(np.asarray(out.cache.k[:, :, N - 1]) != 0)
-    assert np.all(np.asarray(out.cache.k[:, :, N:]) == 0)
+    assert np.any(np.stack(out.cache.k)[:, :, N - 1] != 0)
+    assert np.all(np.stack(out.cache.k)[:, :, N:] == 0)
 
 
 @pytest.mark.parametrize("name", ["llama_tied_gqa2", "llama_mqa_scaled", "qwen3_qknorm"])
@@ -334,11 +334,11 @@ def test_hidden_layers_and_early_exit(name):
     # early exit after n layers == a model that only has the first n layers
     n = n_l - 1
     short_cfg = cfg.replace(num_layers=n)
-    short_w = Weights(embed=w.embed, layers=jax.tree.map(lambda a: a[:n], w.layers),
+    short_w = Weights(embed=w.embed, layers=w.layers[:n],
                       final_norm=w.final_norm, lm_head=w.lm_head)
     got = fwd(cfg, w, jnp.asarray(tokens), _pos([0, 0], N), KVCache.create(cfg, B, S, num_layers=n),
               num_layers=n, hidden_layers=(n,))
-    assert got.cache.k.shape[0] == n
+    assert len(got.cache.k) == n
     _close(got.hidden[0], out.hidden[n], 1e-6)
     for b in range(B):
         ref, _ = ref_forward(short_cfg, short_w, tokens[b])
@@ -350,7 +350,7 @@ def test_bfloat16_model(name):
     model = _model(name)
     bf = model.astype("bfloat16")
     assert bf.config.dtype == "bfloat16" and model.config.dtype == "float32"
-    lw = bf.weights.layers
+    lw = bf.weights.layers[0]
     for a in (lw.attn_norm, lw.mlp_norm, bf.weights.final_norm):
         assert a.dtype == jnp.float32
     if bf.config.qk_norm:
@@ -365,7 +365,7 @@ def test_bfloat16_model(name):
     ref = np.asarray(_full(model, tokens).logits)
     out = _full(bf, tokens)
     assert out.logits.dtype == jnp.float32
-    assert out.cache.k.dtype == jnp.bfloat16
+    assert out.cache.k[0].dtype == jnp.bfloat16
     got = np.asarray(out.logits)
     assert np.all(np.isfinite(got))
     assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
@@ -408,9 +408,10 @@ def test_eval_shape_smollm2_135m():
                       num_kv_heads=3, head_dim=64, ffn_size=1536, rope_theta=100000.0,
                       max_position=8192)
     weights = jax.eval_shape(functools.partial(init_weights, cfg), jax.random.key(0))
-    assert weights.layers.wq.shape == (30, 576, 576)
-    assert weights.layers.wk.shape == (30, 576, 192)
-    assert weights.layers.w_down.shape == (30, 1536, 576)
+    assert len(weights.layers) == 30
+    assert weights.layers[0].wq.shape == (576, 576)
+    assert weights.layers[0].wk.shape == (576, 192)
+    assert weights.layers[29].w_down.shape == (1536, 576)
     assert weights.embed.shape == (49152, 576) and weights.lm_head is None
     n_params = sum(math.prod(a.shape) for a in jax.tree.leaves(weights))
     assert 134e6 < n_params < 135e6  # SmolLM2-135M
@@ -421,7 +422,8 @@ def test_eval_shape_smollm2_135m():
     out = jax.eval_shape(lambda w, x, p, c: forward(cfg, w, x, p, c, hidden_layers=(0, 15, 30)),
                          weights, tokens, positions, cache)
     assert out.logits.shape == (b, t, 49152) and out.logits.dtype == jnp.float32
-    assert out.cache.k.shape == (30, b, s, 3, 64) and out.cache.lengths.shape == (b,)
+    assert len(out.cache.k) == 30 and out.cache.k[0].shape == (b, s, 3, 64)
+    assert out.cache.lengths.shape == (b,)
     assert out.hidden.shape == (3, b, t, 576)
     assert out.final_hidden.shape == (b, t, 576)
     # a tree verify block at the same size

@@ -13,31 +13,32 @@ from jspec.models.config import ModelConfig
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """Keys and values of every layer, stacked so the layer `scan` updates them in its carry.
+    """Keys and values, one buffer per layer (updated in place by the forward's layer loop).
 
     Slots `[0, lengths[b])` of row b hold committed tokens; slots beyond are scratch that a
     forward pass may write (drafted tokens under verification) and a later commit may keep.
     """
 
-    k: jax.Array  # dtype[L, B, S, KV, hd]
-    v: jax.Array  # dtype[L, B, S, KV, hd]
+    k: tuple[jax.Array, ...]  # L x dtype[B, S, KV, hd]
+    v: tuple[jax.Array, ...]  # L x dtype[B, S, KV, hd]
     lengths: jax.Array  # i32[B] committed slots per row
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[1]
 
     @property
     def batch(self) -> int:
-        return self.k.shape[1]
+        return self.k[0].shape[0]
 
     @classmethod
     def create(cls, config: ModelConfig, batch: int, capacity: int,
                num_layers: int | None = None) -> KVCache:
         """An empty cache: i32 lengths of zero, zeroed buffers of `capacity` slots."""
         layers = config.num_layers if num_layers is None else num_layers
-        shape = (layers, batch, capacity, config.num_kv_heads, config.head_dim)
-        return cls(k=jnp.zeros(shape, config.jnp_dtype), v=jnp.zeros(shape, config.jnp_dtype),
+        shape = (batch, capacity, config.num_kv_heads, config.head_dim)
+        return cls(k=tuple(jnp.zeros(shape, config.jnp_dtype) for _ in range(layers)),
+                   v=tuple(jnp.zeros(shape, config.jnp_dtype) for _ in range(layers)),
                    lengths=jnp.zeros((batch,), jnp.int32))
 
     def with_lengths(self, lengths: jax.Array) -> KVCache:

@@ -24,29 +24,34 @@ MASK_VALUE = -1e30
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerWeights:
-    """Per-layer weights stacked on a leading layer axis L. Matrices are (in, out)."""
+    """One decoder layer's weights. Matrices are (in, out).
 
-    attn_norm: jax.Array  # f32[L, D]
-    wq: jax.Array  # dtype[L, D, H*hd]
-    wk: jax.Array  # dtype[L, D, KV*hd]
-    wv: jax.Array  # dtype[L, D, KV*hd]
-    wo: jax.Array  # dtype[L, H*hd, D]
-    mlp_norm: jax.Array  # f32[L, D]
-    w_gate: jax.Array  # dtype[L, D, F]
-    w_up: jax.Array  # dtype[L, D, F]
-    w_down: jax.Array  # dtype[L, F, D]
-    bq: jax.Array | None = None  # dtype[L, H*hd] (Qwen2)
-    bk: jax.Array | None = None  # dtype[L, KV*hd]
-    bv: jax.Array | None = None  # dtype[L, KV*hd]
-    q_norm: jax.Array | None = None  # f32[L, hd] (Qwen3)
-    k_norm: jax.Array | None = None  # f32[L, hd]
+    Each layer owns separate buffers (no stacked [L, ...] arrays): on XLA:CPU a matmul that reads
+    a slice of a stacked weight (what a layer `scan` does) copies it first and runs at about a
+    third of the memory bandwidth of one that reads its own buffer.
+    """
+
+    attn_norm: jax.Array  # f32[D]
+    wq: jax.Array  # dtype[D, H*hd]
+    wk: jax.Array  # dtype[D, KV*hd]
+    wv: jax.Array  # dtype[D, KV*hd]
+    wo: jax.Array  # dtype[H*hd, D]
+    mlp_norm: jax.Array  # f32[D]
+    w_gate: jax.Array  # dtype[D, F]
+    w_up: jax.Array  # dtype[D, F]
+    w_down: jax.Array  # dtype[F, D]
+    bq: jax.Array | None = None  # dtype[H*hd] (Qwen2)
+    bk: jax.Array | None = None  # dtype[KV*hd]
+    bv: jax.Array | None = None  # dtype[KV*hd]
+    q_norm: jax.Array | None = None  # f32[hd] (Qwen3)
+    k_norm: jax.Array | None = None  # f32[hd]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Weights:
     embed: jax.Array  # dtype[V, D]
-    layers: LayerWeights
+    layers: tuple[LayerWeights, ...]  # one entry per layer
     final_norm: jax.Array  # f32[D]
     lm_head: jax.Array | None = None  # dtype[D, V]; None when tied to `embed`
 
@@ -129,8 +134,8 @@ def attention_mask(cache_lengths: jax.Array, num_new: int, capacity: int,
 
 
 def _layer(config: ModelConfig, inv_freq: jax.Array, x: jax.Array, positions: jax.Array,
-           mask: jax.Array, write_slots: jax.Array, carry_k: jax.Array, carry_v: jax.Array,
-           layer_idx: jax.Array, lw: LayerWeights) -> tuple[jax.Array, jax.Array, jax.Array]:
+           mask: jax.Array, write_slots: jax.Array, ck: jax.Array, cv: jax.Array,
+           lw: LayerWeights) -> tuple[jax.Array, jax.Array, jax.Array]:
     b, t, _ = x.shape
     h, kv, hd = config.num_heads, config.num_kv_heads, config.head_dim
     g = config.group_size
@@ -149,12 +154,10 @@ def _layer(config: ModelConfig, inv_freq: jax.Array, x: jax.Array, positions: ja
     q = rope(q, positions, inv_freq)
     k = rope(k, positions, inv_freq)
 
-    # Write this layer's new keys/values into the carried cache in place, then attend over it.
+    # Write this layer's new keys/values into its cache buffer (in place), then attend over it.
     rows = jnp.arange(b, dtype=jnp.int32)[:, None]  # [B, 1]
-    carry_k = carry_k.at[layer_idx, rows, write_slots].set(k, mode="drop")
-    carry_v = carry_v.at[layer_idx, rows, write_slots].set(v, mode="drop")
-    ck = carry_k[layer_idx]  # [B, S, KV, hd]
-    cv = carry_v[layer_idx]
+    ck = ck.at[rows, write_slots].set(k, mode="drop")  # [B, S, KV, hd]
+    cv = cv.at[rows, write_slots].set(v, mode="drop")
 
     qg = q.reshape(b, t, kv, g, hd)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, ck, preferred_element_type=jnp.float32)
@@ -168,7 +171,7 @@ def _layer(config: ModelConfig, inv_freq: jax.Array, x: jax.Array, positions: ja
     y = rms_norm(x, lw.mlp_norm, config.rms_eps)
     act = jax.nn.silu(_dot(y, lw.w_gate).astype(jnp.float32)).astype(x.dtype) * _dot(y, lw.w_up)
     x = x + _dot(act, lw.w_down)
-    return x, carry_k, carry_v
+    return x, ck, cv
 
 
 def lm_logits(config: ModelConfig, weights: Weights, h: jax.Array) -> jax.Array:
@@ -213,31 +216,27 @@ def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions:
     x = jnp.take(weights.embed, tokens, axis=0).astype(config.jnp_dtype)  # [B, T, D]
     full_mask = attention_mask(cache.lengths, t, cache.capacity, mask)
     write_slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
-    layers = weights.layers
-    if n_layers != config.num_layers:
-        layers = jax.tree.map(lambda a: a[:n_layers], layers)
-
     want = tuple(sorted(set(hidden_layers)))
     for i in want:
         if not 0 <= i <= n_layers:
             raise ValueError(f"hidden layer {i} outside 0..{n_layers}")
+    if len(cache.k) < n_layers:
+        raise ValueError(f"cache has {len(cache.k)} layers, the forward runs {n_layers}")
 
-    def body(carry, xs):
-        x, ck, cv = carry
-        lw, idx = xs
-        x, ck, cv = _layer(config, inv_freq, x, positions, full_mask, write_slots, ck, cv, idx, lw)
-        return (x, ck, cv), (x if want else None)
-
-    x0 = x
-    (x, ck, cv), per_layer = jax.lax.scan(
-        body, (x, cache.k, cache.v), (layers, jnp.arange(n_layers, dtype=jnp.int32)))
-    hidden = None
-    if want:
-        stacked = jnp.concatenate([x0[None], per_layer], axis=0)  # [L+1, B, T, D]
-        hidden = stacked[jnp.asarray(want)]
+    # A Python loop (unrolled at trace time) over per-layer buffers: see LayerWeights.
+    states = [x]
+    new_k, new_v = list(cache.k), list(cache.v)
+    for i, lw in enumerate(weights.layers[:n_layers]):
+        with jax.named_scope(f"layer_{i}"):
+            x, new_k[i], new_v[i] = _layer(config, inv_freq, x, positions, full_mask, write_slots,
+                                           new_k[i], new_v[i], lw)
+        if want:
+            states.append(x)
+    hidden = jnp.stack([states[i] for i in want]) if want else None
     h = rms_norm(x, weights.final_norm, config.rms_eps)
     logits = lm_logits(config, weights, h) if compute_logits else None
-    return ForwardOutput(logits=logits, cache=dataclasses.replace(cache, k=ck, v=cv),
+    return ForwardOutput(logits=logits,
+                         cache=dataclasses.replace(cache, k=tuple(new_k), v=tuple(new_v)),
                          hidden=hidden, final_hidden=h)
 
 
@@ -257,7 +256,7 @@ def init_weights(config: ModelConfig, key: jax.Array, scale: float = 0.02) -> We
     def norm(*shape):
         return 1.0 + 0.1 * jax.random.normal(next(ks), shape, jnp.float32)
 
-    layers = LayerWeights(
+    stacked = LayerWeights(
         attn_norm=norm(n, d), wq=rnd(n, d, h * hd), wk=rnd(n, d, kv * hd), wv=rnd(n, d, kv * hd),
         wo=rnd(n, h * hd, d), mlp_norm=norm(n, d), w_gate=rnd(n, d, f), w_up=rnd(n, d, f),
         w_down=rnd(n, f, d),
@@ -267,6 +266,7 @@ def init_weights(config: ModelConfig, key: jax.Array, scale: float = 0.02) -> We
         q_norm=norm(n, hd) if config.qk_norm else None,
         k_norm=norm(n, hd) if config.qk_norm else None)
     embed = (jax.random.normal(next(ks), (config.vocab_size, d), jnp.float32)).astype(dt)
+    layers = tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n))
     return Weights(embed=embed, layers=layers, final_norm=norm(d),
                    lm_head=None if config.tie_embeddings else rnd(d, config.vocab_size))
 

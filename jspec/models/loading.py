@@ -281,31 +281,35 @@ def _get(tensors: dict[str, np.ndarray], name: str, shape: tuple[int, ...]) -> n
 
 
 def weights_from_hf(config: ModelConfig, tensors: dict[str, np.ndarray]) -> Weights:
-    """Stack HF-named (out, in) tensors into the `Weights` pytree ((in, out), layer-stacked)."""
+    """HF-named (out, in) tensors -> the `Weights` pytree ((in, out), one entry per layer)."""
     d, f, h, kv, hd = (config.hidden_size, config.ffn_size, config.num_heads,
                        config.num_kv_heads, config.head_dim)
     dt = config.jnp_dtype
 
-    def stack(suffix: str, shape: tuple[int, ...], transpose: bool, dtype: Any = dt) -> Any:
-        arrs = [_get(tensors, f"model.layers.{i}.{suffix}", shape) for i in range(config.num_layers)]
-        a = np.stack([x.T if transpose else x for x in arrs]).astype(np.float32)
-        return jnp.asarray(a, dtype)
+    def get(i: int, suffix: str, shape: tuple[int, ...], transpose: bool, dtype: Any = dt) -> Any:
+        a = _get(tensors, f"model.layers.{i}.{suffix}", shape)
+        return jnp.asarray(np.asarray(a.T if transpose else a, np.float32), dtype)
 
-    layers = LayerWeights(
-        attn_norm=stack("input_layernorm.weight", (d,), False, jnp.float32),
-        wq=stack("self_attn.q_proj.weight", (h * hd, d), True),
-        wk=stack("self_attn.k_proj.weight", (kv * hd, d), True),
-        wv=stack("self_attn.v_proj.weight", (kv * hd, d), True),
-        wo=stack("self_attn.o_proj.weight", (d, h * hd), True),
-        mlp_norm=stack("post_attention_layernorm.weight", (d,), False, jnp.float32),
-        w_gate=stack("mlp.gate_proj.weight", (f, d), True),
-        w_up=stack("mlp.up_proj.weight", (f, d), True),
-        w_down=stack("mlp.down_proj.weight", (d, f), True),
-        bq=stack("self_attn.q_proj.bias", (h * hd,), False) if config.qkv_bias else None,
-        bk=stack("self_attn.k_proj.bias", (kv * hd,), False) if config.qkv_bias else None,
-        bv=stack("self_attn.v_proj.bias", (kv * hd,), False) if config.qkv_bias else None,
-        q_norm=stack("self_attn.q_norm.weight", (hd,), False, jnp.float32) if config.qk_norm else None,
-        k_norm=stack("self_attn.k_norm.weight", (hd,), False, jnp.float32) if config.qk_norm else None)
+    def layer(i: int) -> LayerWeights:
+        return LayerWeights(
+            attn_norm=get(i, "input_layernorm.weight", (d,), False, jnp.float32),
+            wq=get(i, "self_attn.q_proj.weight", (h * hd, d), True),
+            wk=get(i, "self_attn.k_proj.weight", (kv * hd, d), True),
+            wv=get(i, "self_attn.v_proj.weight", (kv * hd, d), True),
+            wo=get(i, "self_attn.o_proj.weight", (d, h * hd), True),
+            mlp_norm=get(i, "post_attention_layernorm.weight", (d,), False, jnp.float32),
+            w_gate=get(i, "mlp.gate_proj.weight", (f, d), True),
+            w_up=get(i, "mlp.up_proj.weight", (f, d), True),
+            w_down=get(i, "mlp.down_proj.weight", (d, f), True),
+            bq=get(i, "self_attn.q_proj.bias", (h * hd,), False) if config.qkv_bias else None,
+            bk=get(i, "self_attn.k_proj.bias", (kv * hd,), False) if config.qkv_bias else None,
+            bv=get(i, "self_attn.v_proj.bias", (kv * hd,), False) if config.qkv_bias else None,
+            q_norm=get(i, "self_attn.q_norm.weight", (hd,), False, jnp.float32)
+            if config.qk_norm else None,
+            k_norm=get(i, "self_attn.k_norm.weight", (hd,), False, jnp.float32)
+            if config.qk_norm else None)
+
+    layers = tuple(layer(i) for i in range(config.num_layers))
     embed = jnp.asarray(_get(tensors, "model.embed_tokens.weight", (config.vocab_size, d)), dt)
     lm_head = None
     if not config.tie_embeddings:
@@ -321,22 +325,21 @@ def weights_to_hf(config: ModelConfig, weights: Weights) -> dict[str, np.ndarray
         "model.norm.weight": np.asarray(weights.final_norm, np.float32)}
     if weights.lm_head is not None:
         out["lm_head.weight"] = np.asarray(weights.lm_head, np.float32).T
-    lw = weights.layers
-    names = [("input_layernorm.weight", lw.attn_norm, False),
-             ("self_attn.q_proj.weight", lw.wq, True), ("self_attn.k_proj.weight", lw.wk, True),
-             ("self_attn.v_proj.weight", lw.wv, True), ("self_attn.o_proj.weight", lw.wo, True),
-             ("post_attention_layernorm.weight", lw.mlp_norm, False),
-             ("mlp.gate_proj.weight", lw.w_gate, True), ("mlp.up_proj.weight", lw.w_up, True),
-             ("mlp.down_proj.weight", lw.w_down, True),
-             ("self_attn.q_proj.bias", lw.bq, False), ("self_attn.k_proj.bias", lw.bk, False),
-             ("self_attn.v_proj.bias", lw.bv, False), ("self_attn.q_norm.weight", lw.q_norm, False),
-             ("self_attn.k_norm.weight", lw.k_norm, False)]
-    for suffix, arr, transpose in names:
-        if arr is None:
-            continue
-        a = np.asarray(arr, np.float32)
-        for i in range(config.num_layers):
-            out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(a[i].T if transpose else a[i])
+    for i, lw in enumerate(weights.layers):
+        names = [("input_layernorm.weight", lw.attn_norm, False),
+                 ("self_attn.q_proj.weight", lw.wq, True), ("self_attn.k_proj.weight", lw.wk, True),
+                 ("self_attn.v_proj.weight", lw.wv, True), ("self_attn.o_proj.weight", lw.wo, True),
+                 ("post_attention_layernorm.weight", lw.mlp_norm, False),
+                 ("mlp.gate_proj.weight", lw.w_gate, True), ("mlp.up_proj.weight", lw.w_up, True),
+                 ("mlp.down_proj.weight", lw.w_down, True),
+                 ("self_attn.q_proj.bias", lw.bq, False), ("self_attn.k_proj.bias", lw.bk, False),
+                 ("self_attn.v_proj.bias", lw.bv, False),
+                 ("self_attn.q_norm.weight", lw.q_norm, False),
+                 ("self_attn.k_norm.weight", lw.k_norm, False)]
+        for suffix, arr, transpose in names:
+            if arr is not None:
+                a = np.asarray(arr, np.float32)
+                out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(a.T if transpose else a)
     return out
 
 
