@@ -196,17 +196,37 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Any, state
     ctx = DraftContext(seq=state.seq, cache_len=cache.lengths, last=state.last)
     with jax.named_scope("draft"):
         draft, q, dstate = drafter.propose(state.drafter, ctx, k, sampling, k_draft)
-    with jax.named_scope("verify"):
-        toks = jnp.concatenate([state.last[:, None], draft], axis=1)  # [B, k+1]
-        pos = cache.lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
-        out = forward(config, weights, toks, pos, cache)
-    with jax.named_scope("accept"):
-        n, nxt = verify_chain(k_verify, draft, q, out.logits, sampling)
-        rows = jnp.arange(draft.shape[0])
-        emitted = jnp.concatenate([draft, jnp.zeros_like(nxt)[:, None]], axis=1)
-        emitted = emitted.at[rows, n].set(nxt)
+        valid = draft >= 0  # -1: the drafter has nothing to propose in that slot
+        draft = jnp.where(valid, draft, 0)
+
+    def verify_block(cache):
+        with jax.named_scope("verify"):
+            toks = jnp.concatenate([state.last[:, None], draft], axis=1)  # [B, k+1]
+            pos = cache.lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
+            out = forward(config, weights, toks, pos, cache)
+        with jax.named_scope("accept"):
+            n, nxt = verify_chain(k_verify, draft, q, out.logits, sampling, valid)
+        return n, nxt, out.cache
+
+    def verify_none(cache):
+        # No row proposed anything: a plain one-token step (what verify_block would compute,
+        # with every slot rejected, at a fraction of the cost).
+        with jax.named_scope("verify"):
+            out = forward(config, weights, state.last[:, None], cache.lengths[:, None], cache)
+        with jax.named_scope("accept"):
+            nxt = sample(k_verify, out.logits[:, 0], sampling)
+        return jnp.zeros_like(nxt), nxt, out.cache
+
+    if drafter_may_abstain(drafter):
+        n, nxt, new_cache = jax.lax.cond(jnp.any(valid[:, 0] & ~state.done), verify_block,
+                                         verify_none, cache)
+    else:
+        n, nxt, new_cache = verify_block(cache)
+    rows = jnp.arange(draft.shape[0])
+    emitted = jnp.concatenate([draft, jnp.zeros_like(nxt)[:, None]], axis=1)
+    emitted = emitted.at[rows, n].set(nxt)
     with jax.named_scope("commit"):
-        state = commit(state, emitted, n + 1, eos_ids, out.cache, n, k)
+        state = commit(state, emitted, n + 1, eos_ids, new_cache, n, k)
     return dataclasses.replace(state, key=key, drafter=dstate)
 
 
@@ -222,6 +242,11 @@ def run_rounds(round_fn: Any, state: SpecState, max_rounds: int | jax.Array) -> 
 
     state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
     return state
+
+
+def drafter_may_abstain(drafter: Any) -> bool:
+    """Drafters that may propose nothing (-1) for a whole batch get a cheap fallback branch."""
+    return bool(getattr(drafter, "may_abstain", False))
 
 
 def make_round(config: ModelConfig, weights: Weights, drafter: Any, *, k: int,

@@ -19,11 +19,14 @@ class NGram:
     """Propose the k tokens that followed the latest earlier match of the longest suffix n-gram.
 
     n_max..n_min: suffix lengths tried, longest first. Deterministic, so q is one-hot.
-    A row with no match proposes token 0s, which verification rejects.
+    Slots with nothing to propose (no match, or a continuation that runs past the known
+    sequence) are -1: verification treats them as rejected, and a round in which no row has a
+    proposal costs a one-token forward instead of a k+1-token one.
     """
 
     n_max: int = 3
     n_min: int = 1
+    may_abstain = True  # class attribute, not a field: see `drafter_may_abstain`
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_min <= self.n_max:
@@ -34,7 +37,8 @@ class NGram:
         return None
 
     def lookup(self, seq: jax.Array, seq_len: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-        """(tokens i32[B, k], found bool[B]) for seq i32[B, C] with seq_len i32[B] valid."""
+        """(tokens i32[B, k] with -1 where nothing is proposed, found bool[B]) for seq i32[B, C]
+        with seq_len i32[B] valid entries."""
         b, c = seq.shape
         j = jnp.arange(c, dtype=jnp.int32)[None, :]  # candidate end positions of a match
         best_end = jnp.full((b,), -1, jnp.int32)
@@ -47,9 +51,10 @@ class NGram:
             end = jnp.max(jnp.where(match, j, -1), axis=1)
             best_end = jnp.where(best_end >= 0, best_end, end)
         found = best_end >= 0
-        idx = jnp.clip(best_end[:, None] + 1 + jnp.arange(k, dtype=jnp.int32)[None, :], 0, c - 1)
-        tokens = jnp.take_along_axis(seq, idx, axis=1)
-        return jnp.where(found[:, None], tokens, 0), found
+        idx = best_end[:, None] + 1 + jnp.arange(k, dtype=jnp.int32)[None, :]
+        tokens = jnp.take_along_axis(seq, jnp.clip(idx, 0, c - 1), axis=1)
+        known = found[:, None] & (idx < seq_len[:, None])
+        return jnp.where(known, tokens, -1), found
 
     def propose(self, state: None, ctx: DraftContext, k: int, sampling: Sampling,
                 key: jax.Array) -> tuple[jax.Array, None, None]:

@@ -24,7 +24,8 @@ def leading_true(mask: jax.Array) -> jax.Array:
 
 
 def verify_chain(key: jax.Array, draft: jax.Array, q: jax.Array | None, target_logits: jax.Array,
-                 sampling: Sampling) -> tuple[jax.Array, jax.Array]:
+                 sampling: Sampling, valid: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
     """Decide how many drafted tokens to accept and the token that follows them.
 
     Args:
@@ -34,14 +35,17 @@ def verify_chain(key: jax.Array, draft: jax.Array, q: jax.Array | None, target_l
         deterministic (one-hot) draft.
       target_logits: f32[B, K+1, V] raw target logits at the K drafted positions + 1.
       sampling: applied identically to p (and, by the drafter, to q).
+      valid: bool[B, K] or None; an invalid position is a slot where the drafter proposed
+        nothing: it is rejected, and the token there is drawn from p itself (q counts as 0).
     Returns:
       (n_accepted i32[B] in [0, K], next_token i32[B]): correction or bonus token.
     """
     b, k = draft.shape
     z = process_logits(target_logits, sampling)  # [B, K+1, V]
+    ok = jnp.ones((b, k), bool) if valid is None else valid
     if sampling.greedy:
         target_tok = jnp.argmax(z, axis=-1).astype(jnp.int32)  # [B, K+1]
-        n = leading_true(draft == target_tok[:, :k])
+        n = leading_true(ok & (draft == target_tok[:, :k]))
         return n, jnp.take_along_axis(target_tok, n[:, None], axis=1)[:, 0]
     p = jax.nn.softmax(z, axis=-1)  # [B, K+1, V]
     k_u, k_s = jax.random.split(key)
@@ -51,10 +55,11 @@ def verify_chain(key: jax.Array, draft: jax.Array, q: jax.Array | None, target_l
     q_x = jnp.take_along_axis(q, draft[..., None], axis=-1)[..., 0]
     u = jax.random.uniform(k_u, (b, k))
     # u < p/q without dividing: q_x > 0 for any token the drafter could have sampled.
-    n = leading_true(u * q_x < p_x)
+    n = leading_true(ok & (u * q_x < p_x))
     rows = jnp.arange(b)
     p_n = p[rows, n]  # [B, V]
-    q_n = jnp.where((n < k)[:, None], q[rows, jnp.minimum(n, k - 1)], 0.0)
+    proposed = (n < k) & ok[rows, jnp.minimum(n, k - 1)]
+    q_n = jnp.where(proposed[:, None], q[rows, jnp.minimum(n, k - 1)], 0.0)
     resid = jnp.maximum(p_n - q_n, 0.0)
     mass = jnp.sum(resid, axis=-1, keepdims=True)
     dist = jnp.where(mass > RESIDUAL_EPS, resid, p_n)
