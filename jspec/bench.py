@@ -199,6 +199,7 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
     if bar:
         bar.close()
     cost = cost_curve(model, (1, 8), args.fill, 5)
+    hf_rows = _hf_speculative_rows(args, model, enc, drafters) if 0.0 in temps else []
     out_rows = []
     table = []
     for (temp, dname, k), res in results.items():
@@ -213,6 +214,11 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
         table.append([f"{temp:g}", row["drafter"], k or "-", f"{tps:.1f}", f"{row['speedup']:.2f}x",
                       f"{row['tau']:.2f}" if dname else "1.00",
                       " ".join(f"{a:.2f}" for a in row["accept_by_position"]) or "-"])
+    ar0 = statistics.median(results[(0.0, None, 0)]["tps"]) if 0.0 in temps else None
+    for label, tps in hf_rows:
+        out_rows.append({"temperature": 0.0, "drafter": label, "k": None, "tokens_per_s": tps,
+                         "speedup": tps / ar0})
+        table.append(["0", label, "-", f"{tps:.1f}", f"{tps / ar0:.2f}x", "-", "-"])
     _print_table(f"Speculative decoding on {args.prompts} ({len(enc)} prompts, batch 1, "
                  f"{args.new_tokens} new tokens, median of {args.repeats} sweeps); "
                  f"rho_8 = t(8)/t(1) = {cost['c'][8]:.2f}",
@@ -220,6 +226,35 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
                  table)
     return {"prompts": args.prompts, "rows": out_rows, "rho_8": cost["c"][8],
             "new_tokens": args.new_tokens, "repeats": args.repeats}
+
+
+def _hf_speculative_rows(args: argparse.Namespace, model: Any, enc: list[list[int]],
+                         drafters: list[str]) -> list[tuple[str, float]]:
+    """HF transformers on the same weights and prompts, greedy: plain and assisted generation.
+
+    Speedups in the table are relative to jspec's autoregressive row of the same run.
+    """
+    from jspec import peer  # noqa: PLC0415
+    from jspec.models import registry  # noqa: PLC0415
+
+    if args.no_peer or not peer.hf_available() or args.model not in registry.REGISTRY:
+        return []
+    hf_dir = str(registry.converted_dir(registry.REGISTRY[args.model]))
+    modes: list[tuple[str, str | None]] = [("HF greedy", None), ("HF prompt lookup", "prompt_lookup")]
+    modes += [(f"HF assistant_early_exit={d.split(':')[1]}", f"early_exit:{d.split(':')[1]}")
+              for d in drafters if d.startswith("early-exit:")]
+    rows = []
+    for label, mode in modes:
+        tokens, secs = 0, 0.0
+        for ids in enc:
+            if mode is None:
+                r = peer.hf_decode_tps(hf_dir, ids, args.new_tokens, "float32", 1)
+            else:
+                r = peer.hf_assisted_tps(hf_dir, ids, args.new_tokens, mode, 1)
+            tokens += r["new_tokens"]
+            secs += r["seconds"]
+        rows.append((label, tokens / secs))
+    return rows
 
 
 def main(args: argparse.Namespace) -> int:

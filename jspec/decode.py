@@ -90,6 +90,7 @@ class GenerateOutput:
     tokens: jax.Array  # i32[B, N] new tokens, INVALID (-1) after each row's end
     lengths: jax.Array  # i32[B] new tokens per row (EOS included when emitted)
     stats: Stats
+    verifier: Any = None  # the verifier's final state (e.g. ASD's remaining budget)
 
 
 def _is_eos(tok: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
@@ -186,10 +187,10 @@ def autoregressive_round(config: ModelConfig, weights: Weights, state: SpecState
 
 
 def speculative_round(config: ModelConfig, weights: Weights, drafter: Any, state: SpecState, *,
-                      k: int, sampling: Sampling, eos_ids: tuple[int, ...]) -> SpecState:
+                      k: int, sampling: Sampling, eos_ids: tuple[int, ...],
+                      verifier: Any) -> SpecState:
     """draft -> one target forward over [last, x_1..x_k] -> verify -> commit."""
     from jspec.drafters.base import DraftContext  # noqa: PLC0415
-    from jspec.verify.lossless import verify_chain  # noqa: PLC0415
 
     key, k_draft, k_verify = jax.random.split(state.key, 3)
     cache = state.cache
@@ -199,35 +200,36 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Any, state
         valid = draft >= 0  # -1: the drafter has nothing to propose in that slot
         draft = jnp.where(valid, draft, 0)
 
-    def verify_block(cache):
+    def verify_block(cache, vstate):
         with jax.named_scope("verify"):
             toks = jnp.concatenate([state.last[:, None], draft], axis=1)  # [B, k+1]
             pos = cache.lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
             out = forward(config, weights, toks, pos, cache)
         with jax.named_scope("accept"):
-            n, nxt = verify_chain(k_verify, draft, q, out.logits, sampling, valid)
-        return n, nxt, out.cache
+            n, nxt, vstate = verifier.verify(vstate, k_verify, draft, q, out.logits, sampling,
+                                             valid)
+        return n, nxt, out.cache, vstate
 
-    def verify_none(cache):
+    def verify_none(cache, vstate):
         # No row proposed anything: a plain one-token step (what verify_block would compute,
         # with every slot rejected, at a fraction of the cost).
         with jax.named_scope("verify"):
             out = forward(config, weights, state.last[:, None], cache.lengths[:, None], cache)
         with jax.named_scope("accept"):
             nxt = sample(k_verify, out.logits[:, 0], sampling)
-        return jnp.zeros_like(nxt), nxt, out.cache
+        return jnp.zeros_like(nxt), nxt, out.cache, vstate
 
     if drafter_may_abstain(drafter):
-        n, nxt, new_cache = jax.lax.cond(jnp.any(valid[:, 0] & ~state.done), verify_block,
-                                         verify_none, cache)
+        n, nxt, new_cache, vstate = jax.lax.cond(jnp.any(valid[:, 0] & ~state.done), verify_block,
+                                                 verify_none, cache, state.verifier)
     else:
-        n, nxt, new_cache = verify_block(cache)
+        n, nxt, new_cache, vstate = verify_block(cache, state.verifier)
     rows = jnp.arange(draft.shape[0])
     emitted = jnp.concatenate([draft, jnp.zeros_like(nxt)[:, None]], axis=1)
     emitted = emitted.at[rows, n].set(nxt)
     with jax.named_scope("commit"):
         state = commit(state, emitted, n + 1, eos_ids, new_cache, n, k)
-    return dataclasses.replace(state, key=key, drafter=dstate)
+    return dataclasses.replace(state, key=key, drafter=dstate, verifier=vstate)
 
 
 def run_rounds(round_fn: Any, state: SpecState, max_rounds: int | jax.Array) -> SpecState:
@@ -250,18 +252,19 @@ def drafter_may_abstain(drafter: Any) -> bool:
 
 
 def make_round(config: ModelConfig, weights: Weights, drafter: Any, *, k: int,
-               sampling: Sampling, eos_ids: tuple[int, ...]) -> Any:
+               sampling: Sampling, eos_ids: tuple[int, ...], verifier: Any = None) -> Any:
     """The round function `SpecState -> SpecState` for this drafter (None: autoregressive)."""
     if drafter is None:
         return functools.partial(autoregressive_round, config, weights, sampling=sampling,
                                  eos_ids=eos_ids)
     return functools.partial(speculative_round, config, weights, drafter, k=k, sampling=sampling,
-                             eos_ids=eos_ids)
+                             eos_ids=eos_ids, verifier=verifier)
 
 
 def init_state(config: ModelConfig, weights: Weights, drafter: Any, prompt_ids: jax.Array,
                prompt_lengths: jax.Array, key: jax.Array, *, sampling: Sampling,
-               max_new_tokens: int, capacity: int, eos_ids: tuple[int, ...], k: int) -> SpecState:
+               max_new_tokens: int, capacity: int, eos_ids: tuple[int, ...], k: int,
+               verifier: Any = None) -> SpecState:
     """Prefill the target (and the drafter) and sample the first new token."""
     state, _ = prefill(config, weights, prompt_ids, prompt_lengths, key, sampling=sampling,
                        max_new_tokens=max_new_tokens, capacity=capacity, eos_ids=eos_ids,
@@ -270,22 +273,28 @@ def init_state(config: ModelConfig, weights: Weights, drafter: Any, prompt_ids: 
         with jax.named_scope("draft_prefill"):
             state = dataclasses.replace(
                 state, drafter=drafter.init_state(None, prompt_ids, prompt_lengths, capacity))
+    if verifier is not None:
+        state = dataclasses.replace(
+            state, verifier=verifier.init_state(prompt_ids.shape[0], max_new_tokens))
     return state
 
 
-_STATIC = ("config", "sampling", "max_new_tokens", "capacity", "eos_ids", "k")
+_STATIC = ("config", "sampling", "max_new_tokens", "capacity", "eos_ids", "k", "verifier")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _generate(weights: Weights, drafter: Any, prompt_ids: jax.Array, prompt_lengths: jax.Array,
               key: jax.Array, *, config: ModelConfig, sampling: Sampling, max_new_tokens: int,
-              capacity: int, eos_ids: tuple[int, ...], k: int) -> GenerateOutput:
+              capacity: int, eos_ids: tuple[int, ...], k: int, verifier: Any
+              ) -> GenerateOutput:
     state = init_state(config, weights, drafter, prompt_ids, prompt_lengths, key,
                        sampling=sampling, max_new_tokens=max_new_tokens, capacity=capacity,
-                       eos_ids=eos_ids, k=k)
-    round_fn = make_round(config, weights, drafter, k=k, sampling=sampling, eos_ids=eos_ids)
+                       eos_ids=eos_ids, k=k, verifier=verifier)
+    round_fn = make_round(config, weights, drafter, k=k, sampling=sampling, eos_ids=eos_ids,
+                          verifier=verifier)
     state = run_rounds(round_fn, state, max_new_tokens - 1)
-    return GenerateOutput(tokens=state.tokens, lengths=state.num_new, stats=state.stats)
+    return GenerateOutput(tokens=state.tokens, lengths=state.num_new, stats=state.stats,
+                          verifier=state.verifier)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -295,11 +304,14 @@ def _init_jit(weights: Weights, drafter: Any, prompt_ids: jax.Array, prompt_leng
                       **{k: v for k, v in statics.items() if k != "config"})
 
 
-@functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "k", "rounds"),
+@functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "k", "rounds",
+                                             "verifier"),
                    donate_argnames=("state",))
 def _chunk_jit(weights: Weights, drafter: Any, state: SpecState, *, config: ModelConfig,
-               sampling: Sampling, eos_ids: tuple[int, ...], k: int, rounds: int) -> SpecState:
-    round_fn = make_round(config, weights, drafter, k=k, sampling=sampling, eos_ids=eos_ids)
+               sampling: Sampling, eos_ids: tuple[int, ...], k: int, rounds: int,
+               verifier: Any) -> SpecState:
+    round_fn = make_round(config, weights, drafter, k=k, sampling=sampling, eos_ids=eos_ids,
+                          verifier=verifier)
     return run_rounds(round_fn, state, rounds)
 
 
@@ -395,7 +407,7 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, draft
 def _statics(model: Model, ids: jax.Array, drafter: Any, sampling: Sampling, max_new_tokens: int,
              verifier: Any, length: Any, capacity: int | None) -> dict[str, Any]:
     from jspec.length import FixedLength  # noqa: PLC0415
-    from jspec.verify.lossless import Lossless  # noqa: PLC0415
+    from jspec.verify import ASD, Lossless  # noqa: PLC0415
 
     k = 0
     if drafter is not None:
@@ -403,8 +415,10 @@ def _statics(model: Model, ids: jax.Array, drafter: Any, sampling: Sampling, max
         verifier = Lossless() if verifier is None else verifier
         if not isinstance(length, FixedLength):
             raise JspecError(f"length must be a jspec.FixedLength, got {type(length).__name__}")
-        if not isinstance(verifier, Lossless):
-            raise JspecError(f"unsupported verifier {type(verifier).__name__}")
+        if not isinstance(verifier, (Lossless, ASD)):
+            raise JspecError(f"unsupported verifier {type(verifier).__name__} "
+                             "(jspec.Lossless or jspec.ASD)")
+        verifier.check(sampling)
         k = length.k
     elif verifier is not None or length is not None:
         raise JspecError("verifier= and length= need a drafter")
@@ -413,7 +427,7 @@ def _statics(model: Model, ids: jax.Array, drafter: Any, sampling: Sampling, max
         raise JspecError(f"prompt width {ids.shape[1]} + max_new_tokens {max_new_tokens} + a "
                          f"verify block of {k + 1} does not fit the cache capacity {cap}")
     return dict(config=model.config, sampling=sampling, max_new_tokens=max_new_tokens,
-                capacity=cap, eos_ids=model.eos_ids, k=k)
+                capacity=cap, eos_ids=model.eos_ids, k=k, verifier=verifier)
 
 
 def stream(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, drafter: Any = None,
@@ -430,7 +444,7 @@ def stream(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, drafter
     key = jax.random.key(0) if key is None else key
     statics = _statics(model, ids, drafter, sampling, max_new_tokens, verifier, length, None)
     state = _init_jit(model.weights, drafter, ids, lengths, key, **statics)
-    loop_statics = {k: statics[k] for k in ("config", "sampling", "eos_ids", "k")}
+    loop_statics = {k: statics[k] for k in ("config", "sampling", "eos_ids", "k", "verifier")}
     while True:
         tokens, num_new, done, st = jax.device_get(
             (state.tokens, state.num_new, state.done, state.stats))

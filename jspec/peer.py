@@ -207,7 +207,8 @@ def hf_assisted_tps(hf_dir: str | os.PathLike, prompt_ids: list[int], new_tokens
 
     Modes: "self" uses a second copy of the same model as `assistant_model` (every draft is
     accepted, so this measures the speculative machinery's overhead); "prompt_lookup" uses
-    `prompt_lookup_num_tokens=10` (n-gram drafts from the prompt). HF's assistant-length
+    `prompt_lookup_num_tokens=10` (n-gram drafts from the prompt); "early_exit:N" uses
+    `assistant_early_exit=N` (the model's first N layers draft). HF's assistant-length
     heuristic is reset before every run so repeats are independent.
 
     Args:
@@ -223,8 +224,8 @@ def hf_assisted_tps(hf_dir: str | os.PathLike, prompt_ids: list[int], new_tokens
       `matches_greedy` (output equals plain greedy `generate`), the tokens and the settings.
     """
     torch = _setup(threads)
-    if mode not in ASSISTED_MODES:
-        raise ValueError(f"mode must be one of {ASSISTED_MODES}, got {mode!r}")
+    if mode not in ASSISTED_MODES and not mode.startswith("early_exit:"):
+        raise ValueError(f"mode must be one of {ASSISTED_MODES} or early_exit:N, got {mode!r}")
     model = _load(str(hf_dir), dtype)
     ids, mask = _prompt(prompt_ids)
     kwargs = _greedy_kwargs(model, new_tokens)
@@ -234,6 +235,9 @@ def hf_assisted_tps(hf_dir: str | os.PathLike, prompt_ids: list[int], new_tokens
 
         assistant = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=_torch_dtype(dtype)).eval()
         extra: dict[str, Any] = {"assistant_model": assistant}
+    elif mode.startswith("early_exit:"):
+        # HF's self-speculative mode: the first N layers + the LM head draft (like early-exit:N).
+        extra = {"assistant_early_exit": int(mode.split(":", 1)[1])}
     else:
         extra = {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}
     initial = copy.deepcopy(assistant.generation_config) if assistant is not None else None

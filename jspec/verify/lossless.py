@@ -17,6 +17,18 @@ RESIDUAL_EPS = 1e-8
 class Lossless:
     """The default verifier: output distributed exactly as the target's (greedy: identical)."""
 
+    def check(self, sampling: Sampling) -> None:
+        """Any sampling configuration is fine."""
+
+    def init_state(self, batch: int, max_rounds: int) -> None:
+        return None
+
+    def verify(self, vstate: None, key: jax.Array, draft: jax.Array, q: jax.Array | None,
+               target_logits: jax.Array, sampling: Sampling, valid: jax.Array
+               ) -> tuple[jax.Array, jax.Array, None]:
+        n, nxt = verify_chain(key, draft, q, target_logits, sampling, valid)
+        return n, nxt, vstate
+
 
 def leading_true(mask: jax.Array) -> jax.Array:
     """i32[B]: length of the all-True prefix of bool[B, K]."""

@@ -1,0 +1,74 @@
+"""`python -m jspec`: bad input gives `error: ...` and exit status 2, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jspec.cli import main
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["generate", "--prompt", "hi", "--temperature", "-1"], "temperature"),
+    (["generate", "--prompt", "hi", "--top-p", "0"], "top_p"),
+    (["generate", "--prompt", "hi", "--top-p", "1.5"], "top_p"),
+    (["generate", "--prompt", "hi", "--top-k", "-2"], "top_k"),
+    (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "max-new-tokens"),
+    (["generate", "--prompt", "   "], "empty"),
+    (["generate", "--prompt", "hi", "--model", "no-such-model"], "unknown model"),
+    (["generate", "--prompt", "hi", "--model", "/nonexistent/model.gguf"], "not found"),
+    (["generate", "--prompt", "hi", "--k", "4"], "--drafter"),
+    (["generate", "--prompts-file", "/nonexistent.jsonl"], "not found"),
+])
+def test_bad_input_is_a_clear_error(argv, match, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and match in err
+    assert "Traceback" not in err
+
+
+def test_bad_prompts_file(tmp_path, capsys):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')
+    assert main(["generate", "--prompts-file", str(f)]) == 2
+    assert "p.jsonl:2" in capsys.readouterr().err
+    f.write_text("not json\n")
+    assert main(["generate", "--prompts-file", str(f)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_truncated_gguf_is_a_clear_error(tmp_path, capsys):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 10)
+    assert main(["generate", "--prompt", "hi", "--model", str(bad)]) == 2
+    assert "cannot read GGUF" in capsys.readouterr().err
+
+
+@pytest.mark.real
+def test_real_prompt_longer_than_context_is_a_clear_error(real_model, capsys):
+    long = "word " * 9000
+    assert main(["generate", "--prompt", long, "--max-new-tokens", "4"]) == 2
+    assert "context length" in capsys.readouterr().err
+
+
+@pytest.mark.real
+def test_real_json_output_and_drafter(real_model, tmp_path):
+    """The CLI end to end in a subprocess: --json fields, a drafter, greedy identity."""
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "What is the capital of France?"}) + "\n")
+    outs = []
+    for extra in ([], ["--drafter", "ngram", "--k", "3"]):
+        proc = subprocess.run([sys.executable, "-m", "jspec", "generate", "--prompts-file", str(f),
+                               "--json", "--max-new-tokens", "16", *extra],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        rec = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert set(rec) == {"prompt", "text", "token_ids", "new_tokens", "rounds",
+                            "mean_accepted", "seconds"}
+        assert rec["new_tokens"] == len(rec["token_ids"]) and "Paris" in rec["text"]
+        outs.append(rec)
+    assert outs[0]["token_ids"] == outs[1]["token_ids"]
+    assert outs[1]["rounds"] <= outs[0]["rounds"]
