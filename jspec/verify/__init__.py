@@ -9,4 +9,25 @@ A verifier is a frozen, hashable config object with
 from jspec.verify.asd import ASD, ASDState
 from jspec.verify.lossless import Lossless, leading_true, verify_chain
 
-__all__ = ["ASD", "ASDState", "Lossless", "leading_true", "verify_chain"]
+__all__ = ["ASD", "ASDState", "Lossless", "leading_true", "parse_verifier", "verify_chain"]
+
+
+def parse_verifier(spec: str) -> Lossless | ASD:
+    """`lossless` | `asd[:budget=B,gate=G,cap=M]` (the CLI's --verifier)."""
+    from jspec.errors import JspecError  # noqa: PLC0415
+
+    kind, _, args = spec.partition(":")
+    if kind == "lossless" and not args:
+        return Lossless()
+    if kind == "asd":
+        kw: dict[str, float | int] = {}
+        for part in filter(None, args.split(",")):
+            key, sep, val = part.partition("=")
+            if not sep or key not in ("budget", "gate", "cap"):
+                raise JspecError(f"bad ASD option {part!r}: expected budget=, gate= or cap=")
+            try:
+                kw[key] = int(val) if key == "cap" else float(val)
+            except ValueError as e:
+                raise JspecError(f"bad ASD option {part!r}: not a number") from e
+        return ASD(**kw)
+    raise JspecError(f"unknown verifier {spec!r} (lossless, asd[:budget=B,gate=G,cap=M])")
