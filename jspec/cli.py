@@ -207,11 +207,17 @@ def cmd_calibrate_asd(args: argparse.Namespace) -> int:
     rows = load_prompt_set(args.prompts)
     model = jspec.load_model(args.model)
     drafter = jspec.load_drafter(args.drafter, target=model)
+    from jspec.decode import bucket_length  # noqa: PLC0415
+
     recorder = jspec.ASD(budget=0.0, record=True)  # strict greedy, recording r/v
+    enc = [model.encode(r["text"]) for r in rows]
+    width = bucket_length(max(map(len, enc)))  # one width: one compile for all prompts
     ratios: list[float] = []
-    for r in tqdm(rows, desc="calibrate-asd", unit="prompt"):
-        ids = np.asarray([model.encode(r["text"])], np.int32)
-        out = jspec.generate(model, ids, max_new_tokens=args.max_new_tokens, drafter=drafter,
+    for e in tqdm(enc, desc="calibrate-asd", unit="prompt"):
+        ids = np.zeros((1, width), np.int32)
+        ids[0, : len(e)] = e
+        out = jspec.generate(model, ids, np.asarray([len(e)], np.int32),
+                             max_new_tokens=args.max_new_tokens, drafter=drafter,
                              length=jspec.FixedLength(args.k), verifier=recorder)
         st = jax.device_get(out.verifier)
         ratios.extend(float(x) for x in st.ratios[0, : int(st.n_ratios[0])])

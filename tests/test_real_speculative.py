@@ -94,3 +94,18 @@ def test_real_distribution_equivalence(real_model, prompts, sampling):
     assert a.size >= 10_000 and b.size >= 10_000
     assert float(np.mean(sp.stats.mean_accepted())) > 1.1
     assert _chi2_pooled(a, b) > 0.01
+
+
+ASD_CASES = [("ngram", 4, jspec.ASD(budget=0.0)), ("early-exit:8", 4, jspec.ASD(gate=0.0)),
+             ("early-exit:8", 8, jspec.ASD(cap=0)), ("ngram", 8, jspec.ASD(gate=0.0))]
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("drafter_name, k, asd", [
+    pytest.param(*c, marks=() if i == 0 else pytest.mark.slow) for i, c in enumerate(ASD_CASES)])
+def test_real_asd_zero_settings_equal_greedy(real_model, prompts, reference, drafter_name, k, asd):
+    drafter = jspec.load_drafter(drafter_name, target=real_model)
+    ids, lengths = _batch(real_model, prompts)
+    out = jspec.generate(real_model, ids, lengths, max_new_tokens=N_NEW, drafter=drafter,
+                         length=jspec.FixedLength(k), verifier=asd)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(reference.tokens))
