@@ -230,7 +230,7 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
                       f"{q['changed']:.2f}" if "changed" in q else "-",
                       f"{q['nll']:.3f}" if "nll" in q else "-",
                       f"{q['pass']:.2f}" if "pass" in q else "-"])
-    ar0 = statistics.median(results[(0.0, None, 0)]["tps"]) if 0.0 in temps else None
+    ar0 = statistics.median(results[(0.0, None, 0, "lossless")]["tps"]) if 0.0 in temps else None
     for label, tps in hf_rows:
         out_rows.append({"temperature": 0.0, "drafter": label, "k": None, "tokens_per_s": tps,
                          "speedup": tps / ar0})
