@@ -191,9 +191,10 @@ def _thinned(tokens: np.ndarray, positions: int) -> np.ndarray:
     return pos * 1000 + tokens[rows, pos]
 
 
+@pytest.mark.parametrize("drafter_name", ["early-exit:1", "ngram"])
 @pytest.mark.parametrize("sampling", [jspec.Sampling(temperature=1.0),
                                       jspec.Sampling(temperature=0.7, top_p=0.9)])
-def test_distribution_equivalence_tiny_model(sampling):
+def test_distribution_equivalence_tiny_model(sampling, drafter_name):
     """Speculative vs autoregressive samples on a tiny model: 10,240 independent rows per side,
     one token each from drafted positions 1..5 (binned by (position, token)), seeded; a two-sample
     χ² test (top 40 bins + other) must give p > 0.01. The first drafted position is also compared
@@ -202,13 +203,14 @@ def test_distribution_equivalence_tiny_model(sampling):
     # A flatter output distribution than the default tiny model's, so that many tokens matter.
     weights = dataclasses.replace(model.weights, embed=model.weights.embed * 0.3)
     model = jspec.Model(config=model.config.replace(eos_ids=()), weights=weights)
-    drafter = jspec.load_drafter("early-exit:1", target=model)
+    drafter = jspec.load_drafter(drafter_name, target=model)
     rows, n_new = 10_240, 6
-    ids = np.tile(np.asarray([[5, 6, 7]], np.int32), (rows, 1))
+    ids = np.tile(np.asarray([[5, 6, 7, 5, 6, 7, 5, 6]], np.int32), (rows, 1))
     ar = jspec.generate(model, ids, max_new_tokens=n_new, sampling=sampling, key=jax.random.key(1))
     sp = jspec.generate(model, ids, max_new_tokens=n_new, sampling=sampling, drafter=drafter,
                         length=jspec.FixedLength(4), key=jax.random.key(2))
-    assert float(np.mean(sp.stats.mean_accepted())) > 1.3  # drafts are accepted, not bypassed
+    # Drafts are accepted, not bypassed (the n-gram drafter, one-hot q, on a repetitive prompt).
+    assert float(np.mean(sp.stats.mean_accepted())) > (1.3 if drafter_name != "ngram" else 1.005)
     a = _thinned(np.asarray(ar.tokens), 5)
     b = _thinned(np.asarray(sp.tokens), 5)
     assert a.size >= 10_000 and b.size >= 10_000
@@ -218,13 +220,14 @@ def test_distribution_equivalence_tiny_model(sampling):
     from jspec.models.llama import forward
     from jspec.sampling import probs
     v = model.config.vocab_size
-    seq0 = jnp.asarray([[5, 6, 7]])
-    l0 = forward(model.config, model.weights, seq0, jnp.arange(3)[None],
-                 KVCache.create(model.config, 1, 8)).logits[0, -1]
+    seq0 = jnp.asarray(ids[:1])
+    p_len = seq0.shape[1]
+    l0 = forward(model.config, model.weights, seq0, jnp.arange(p_len)[None],
+                 KVCache.create(model.config, 1, 16)).logits[0, -1]
     p1 = probs(l0, sampling)
     seqs = jnp.concatenate([jnp.tile(seq0, (v, 1)), jnp.arange(v)[:, None]], axis=1)
-    l1 = forward(model.config, model.weights, seqs, jnp.tile(jnp.arange(4)[None], (v, 1)),
-                 KVCache.create(model.config, v, 8)).logits[:, -1]
+    l1 = forward(model.config, model.weights, seqs, jnp.tile(jnp.arange(p_len + 1)[None], (v, 1)),
+                 KVCache.create(model.config, v, 16)).logits[:, -1]
     p2 = np.asarray(p1 @ probs(l1, sampling), np.float64)
     obs = np.bincount(np.asarray(sp.tokens[:, 1]), minlength=v)
     mask = p2 * rows >= 5  # bins with enough expected mass; the rest pooled
