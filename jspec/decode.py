@@ -102,8 +102,8 @@ def _is_eos(tok: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
 
 def prefill(config: ModelConfig, weights: Weights, prompt_ids: jax.Array,
             prompt_lengths: jax.Array, key: jax.Array, *, sampling: Sampling,
-            max_new_tokens: int, capacity: int, eos_ids: tuple[int, ...], draft_k: int = 0
-            ) -> tuple[SpecState, Any]:
+            max_new_tokens: int, capacity: int, eos_ids: tuple[int, ...], draft_k: int = 0,
+            feature_layers: tuple[int, ...] = ()) -> tuple[SpecState, Any]:
     """Run the prompt through the target and sample the first new token.
 
     Args:
@@ -115,7 +115,8 @@ def prefill(config: ModelConfig, weights: Weights, prompt_ids: jax.Array,
     cache = KVCache.create(config, b, capacity)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     with jax.named_scope("prefill"):
-        out = forward(config, weights, prompt_ids, positions, cache, compute_logits=False)
+        out = forward(config, weights, prompt_ids, positions, cache, compute_logits=False,
+                      hidden_layers=feature_layers)
         last_h = jnp.take_along_axis(out.final_hidden, (prompt_lengths - 1)[:, None, None], axis=1)
         from jspec.models.llama import lm_logits  # noqa: PLC0415
         logits = lm_logits(config, weights, last_h[:, 0])  # [B, V]
@@ -200,30 +201,42 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Any, state
         valid = draft >= 0  # -1: the drafter has nothing to propose in that slot
         draft = jnp.where(valid, draft, 0)
 
+    fl = feature_layers(drafter)
+
+    def feats_of(out, t):  # f32[B, k+1, F, D] target features for the drafter (or a dummy)
+        if not fl:
+            return jnp.zeros((draft.shape[0], 0), jnp.float32)
+        f = features(out.hidden)
+        return jnp.pad(f, ((0, 0), (0, k + 1 - t), (0, 0), (0, 0)))
+
     def verify_block(cache, vstate):
         with jax.named_scope("verify"):
             toks = jnp.concatenate([state.last[:, None], draft], axis=1)  # [B, k+1]
             pos = cache.lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
-            out = forward(config, weights, toks, pos, cache)
+            out = forward(config, weights, toks, pos, cache, hidden_layers=fl)
         with jax.named_scope("accept"):
             n, nxt, vstate = verifier.verify(vstate, k_verify, draft, q, out.logits, sampling,
                                              valid)
-        return n, nxt, out.cache, vstate
+        return n, nxt, out.cache, vstate, feats_of(out, k + 1)
 
     def verify_none(cache, vstate):
         # No row proposed anything: a plain one-token step (what verify_block would compute,
         # with every slot rejected, at a fraction of the cost).
         with jax.named_scope("verify"):
-            out = forward(config, weights, state.last[:, None], cache.lengths[:, None], cache)
+            out = forward(config, weights, state.last[:, None], cache.lengths[:, None], cache,
+                          hidden_layers=fl)
         with jax.named_scope("accept"):
             nxt = sample(k_verify, out.logits[:, 0], sampling)
-        return jnp.zeros_like(nxt), nxt, out.cache, vstate
+        return jnp.zeros_like(nxt), nxt, out.cache, vstate, feats_of(out, 1)
 
     if drafter_may_abstain(drafter):
-        n, nxt, new_cache, vstate = jax.lax.cond(jnp.any(valid[:, 0] & ~state.done), verify_block,
-                                                 verify_none, cache, state.verifier)
+        n, nxt, new_cache, vstate, feats = jax.lax.cond(
+            jnp.any(valid[:, 0] & ~state.done), verify_block, verify_none, cache,
+            state.verifier)
     else:
-        n, nxt, new_cache, vstate = verify_block(cache, state.verifier)
+        n, nxt, new_cache, vstate, feats = verify_block(cache, state.verifier)
+    if fl:
+        dstate = drafter.observe(dstate, feats, cache.lengths, n + 1)
     rows = jnp.arange(draft.shape[0])
     emitted = jnp.concatenate([draft, jnp.zeros_like(nxt)[:, None]], axis=1)
     emitted = emitted.at[rows, n].set(nxt)
@@ -246,6 +259,18 @@ def run_rounds(round_fn: Any, state: SpecState, max_rounds: int | jax.Array) -> 
     return state
 
 
+def feature_layers(drafter: Any) -> tuple[int, ...]:
+    """Target layers whose hidden states the drafter reads (trained drafters), else ()."""
+    return tuple(getattr(drafter, "feature_layers", ()) or ())
+
+
+def features(hidden: jax.Array) -> jax.Array:
+    """[n, B, T, D] target hidden states -> f32[B, T, n, D], each vector divided by its RMS."""
+    from jspec.drafters.trained import rms_normalize  # noqa: PLC0415
+
+    return jnp.moveaxis(rms_normalize(hidden), 0, 2)
+
+
 def drafter_may_abstain(drafter: Any) -> bool:
     """Drafters that may propose nothing (-1) for a whole batch get a cheap fallback branch."""
     return bool(getattr(drafter, "may_abstain", False))
@@ -266,13 +291,18 @@ def init_state(config: ModelConfig, weights: Weights, drafter: Any, prompt_ids: 
                max_new_tokens: int, capacity: int, eos_ids: tuple[int, ...], k: int,
                verifier: Any = None) -> SpecState:
     """Prefill the target (and the drafter) and sample the first new token."""
-    state, _ = prefill(config, weights, prompt_ids, prompt_lengths, key, sampling=sampling,
-                       max_new_tokens=max_new_tokens, capacity=capacity, eos_ids=eos_ids,
-                       draft_k=k)
+    fl = feature_layers(drafter)
+    state, out = prefill(config, weights, prompt_ids, prompt_lengths, key, sampling=sampling,
+                         max_new_tokens=max_new_tokens, capacity=capacity, eos_ids=eos_ids,
+                         draft_k=k, feature_layers=fl)
     if drafter is not None:
         with jax.named_scope("draft_prefill"):
-            state = dataclasses.replace(
-                state, drafter=drafter.init_state(None, prompt_ids, prompt_lengths, capacity))
+            if fl:
+                dstate = drafter.init_state(features(out.hidden), prompt_ids, prompt_lengths,
+                                            capacity, k=k)
+            else:
+                dstate = drafter.init_state(None, prompt_ids, prompt_lengths, capacity)
+            state = dataclasses.replace(state, drafter=dstate)
     if verifier is not None:
         state = dataclasses.replace(
             state, verifier=verifier.init_state(prompt_ids.shape[0], max_new_tokens))

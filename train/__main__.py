@@ -1,5 +1,25 @@
+"""`python -m train <command>`: data generation and drafter / verifier training."""
+
+from __future__ import annotations
+
+import argparse
 import sys
 
-print("python -m train: no training subcommand is implemented yet (see README 'Status').",
-      file=sys.stderr)
-sys.exit(2)
+
+def main(argv: list[str] | None = None) -> int:
+    from train import datagen  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(prog="python -m train", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    datagen.add_parser(sub)
+    try:
+        from train import drafters  # noqa: PLC0415
+        drafters.add_parsers(sub)
+    except ImportError:
+        pass
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

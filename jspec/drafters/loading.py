@@ -24,17 +24,64 @@ def _kv_args(spec: str) -> dict[str, int]:
     return out
 
 
-def load_drafter(name_or_path: str | os.PathLike, *, target: Any) -> Any:
-    """A drafter for `target`.
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+# Trained drafters shipped with jspec: name -> file in jspec/assets.
+SHIPPED = {"smollm2-135m-eagle3": "smollm2-135m-eagle3.safetensors",
+           "smollm2-135m-dflash": "smollm2-135m-dflash.safetensors"}
+
+
+def _trained(path: Path, target: Any, cut: float | None, name: str) -> Any:
+    from jspec.drafters import dflash, eagle3  # noqa: PLC0415
+    from jspec.drafters.trained import check_target, load_drafter_file  # noqa: PLC0415
+    from jspec.models.model import load_model  # noqa: PLC0415
+
+    cfg, params, vocab = load_drafter_file(path)
+    if target is None:
+        if not cfg.target:
+            raise JspecError(f"{path} does not name its target: pass target=")
+        target = load_model(cfg.target)
+    check_target(cfg, target.config)
+    mod = {"eagle3": eagle3, "dflash": dflash}.get(cfg.kind)
+    if mod is None:
+        raise JspecError(f"{path}: unknown drafter kind {cfg.kind!r}")
+    if cut is None:
+        cut = 0.0
+    if not 0.0 <= cut < 1.0:
+        raise JspecError(f"cut must be in [0, 1), got {cut}")
+    return mod.make(cfg, params, vocab, target.weights, cut=cut, name=name)
+
+
+def load_drafter(name_or_path: str | os.PathLike, *, target: Any = None) -> Any:
+    """A drafter for `target` (a loaded Model).
 
     Accepts: "ngram" or "ngram:n=3" / "ngram:n_max=4,n_min=2"; "early-exit:N" (the target's
-    first N layers + its final norm and LM head); a Hugging Face directory or .gguf file of a
-    small Llama-family model with the target's tokenizer.
+    first N layers + its final norm and LM head); a shipped trained drafter
+    ("smollm2-135m-eagle3", "smollm2-135m-dflash", optionally ":cut=0.5" to stop drafting where
+    the VAT verification head's probability falls below 0.5) or a `.safetensors` file written
+    by `python -m train`; a Hugging Face directory or .gguf file of a small Llama-family model
+    with the target's tokenizer. `target` may be omitted for trained drafters (their target is
+    loaded by name).
     """
     from jspec.models.model import load_model  # noqa: PLC0415
 
     name = str(name_or_path)
     kind, _, arg = name.partition(":")
+    if kind in SHIPPED or kind.endswith(".safetensors"):
+        cut = None
+        for part in filter(None, arg.split(",")):
+            k, sep, v = part.partition("=")
+            if k != "cut" or not sep:
+                raise JspecError(f"bad trained-drafter option {part!r}: only cut=P")
+            try:
+                cut = float(v)
+            except ValueError as e:
+                raise JspecError(f"bad cut value {v!r}") from e
+        path = ASSETS / SHIPPED[kind] if kind in SHIPPED else Path(kind).expanduser()
+        if not path.is_file():
+            raise ModelLoadError(f"drafter file {path} not found")
+        return _trained(path, target, cut, name)
+    if target is None:
+        raise JspecError(f"load_drafter({name!r}) needs target=")
     if kind == "ngram":
         kw = _kv_args(arg)
         if "n" in kw:

@@ -1,0 +1,206 @@
+"""DFlash-style block-diffusion drafter.
+
+Target features from layers spread over the network are concatenated, projected (`fc` + RMSNorm)
+into a context sequence whose keys/values (each drafter layer's own k/v projections, RoPE at the
+context position) are prepended to every drafter layer's attention. The input block is
+[anchor, MASK x (γ-1)] at positions a..a+γ-1, attending bidirectionally inside the block and to
+the context before a; one forward pass proposes γ-1 tokens. Confidences are the drafter's softmax
+probabilities of its chosen tokens (exposed in the state for LibraSpec / D²SD).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.drafters.base import DraftContext
+from jspec.drafters.trained import (DrafterConfig, Params, Pending, attention, choose, dense,
+                                    draft_logits, init_dense, init_layer, mlp, qkv,
+                                    verify_head)
+from jspec.models.llama import rms_norm, rope
+from jspec.sampling import Sampling
+
+
+def init_params(cfg: DrafterConfig, key: jax.Array) -> Params:
+    d, f = cfg.hidden_size, len(cfg.feature_layers)
+    ks = jax.random.split(key, cfg.num_layers + 2)
+    p = {"fc": init_dense(ks[0], f * d, d), "fc_norm": jnp.ones((d,), jnp.float32),
+         "mask_emb": 0.02 * jax.random.normal(ks[1], (d,), jnp.float32),
+         "final_norm": jnp.ones((d,), jnp.float32),
+         "vh_w": jnp.zeros((d,), jnp.float32), "vh_b": jnp.zeros((1,), jnp.float32)}
+    for i in range(cfg.num_layers):
+        p[f"l{i}.attn_norm"] = jnp.ones((d,), jnp.float32)
+        p.update(init_layer(ks[i + 2], cfg, f"l{i}.", d))
+    return p
+
+
+def context(cfg: DrafterConfig, p: Params, feats: jax.Array) -> jax.Array:
+    """c f32[B, T, D] = RMSNorm(fc(concat features)) from f32[B, T, F, D]."""
+    b, t, f, d = feats.shape
+    return rms_norm(dense(feats.reshape(b, t, f * d), p["fc"]), p["fc_norm"], cfg.rms_eps)
+
+
+def context_kv(cfg: DrafterConfig, p: Params, c: jax.Array, positions: jax.Array
+               ) -> list[tuple[jax.Array, jax.Array]]:
+    """Per layer (k [B, T, KV, hd] RoPE'd at `positions`, v) of the context."""
+    b, t, _ = c.shape
+    inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
+    out = []
+    for i in range(cfg.num_layers):
+        k = dense(c, p[f"l{i}.wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = dense(c, p[f"l{i}.wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        out.append((rope(k, positions, inv), v))
+    return out
+
+
+def block_forward(cfg: DrafterConfig, p: Params, x: jax.Array, positions: jax.Array,
+                  ctx_kv: list[tuple[jax.Array, jax.Array]], ctx_mask: jax.Array,
+                  block_mask: jax.Array) -> jax.Array:
+    """Drafter layers over block tokens.
+
+    Args:
+      x: f32[B, T, D] block input embeddings; positions: i32[B, T].
+      ctx_kv: per layer context (k, v) [B, S, KV, hd]; ctx_mask: bool[B, T, S].
+      block_mask: bool[B, T, T] (which block tokens see which: same block).
+    Returns:
+      f32[B, T, D] hidden states (before the final norm).
+    """
+    mask = jnp.concatenate([ctx_mask, block_mask], axis=2)
+    for i in range(cfg.num_layers):
+        y = rms_norm(x, p[f"l{i}.attn_norm"], cfg.rms_eps)
+        q, k, v = qkv(cfg, p, f"l{i}.", y, positions)
+        ck, cv = ctx_kv[i]
+        o = attention(q, jnp.concatenate([ck, k], axis=1), jnp.concatenate([cv, v], axis=1),
+                      mask)
+        x = x + dense(o, p[f"l{i}.wo"])
+        x = mlp(p, f"l{i}.", x, cfg.rms_eps)
+    return x
+
+
+def block_inputs(p: Params, embed: jax.Array, anchors: jax.Array, gamma: int) -> jax.Array:
+    """f32[B, M*γ, D]: per anchor, [emb(anchor), mask_emb x (γ-1)]. anchors: i32[B, M]."""
+    b, m = anchors.shape
+    a = jnp.take(embed, anchors, axis=0).astype(jnp.float32)[:, :, None]  # [B, M, 1, D]
+    msk = jnp.broadcast_to(p["mask_emb"], (b, m, gamma - 1, a.shape[-1]))
+    return jnp.concatenate([a, msk], axis=2).reshape(b, m * gamma, -1)
+
+
+def train_forward(cfg: DrafterConfig, p: Params, embed: jax.Array, tokens: jax.Array,
+                  feats: jax.Array, anchors: jax.Array, gamma: int) -> jax.Array:
+    """Many blocks per sequence in one pass.
+
+    Args:
+      tokens: i32[B, S]; feats: f32[B, S, F, D]; anchors: i32[B, M] anchor positions.
+    Returns:
+      f32[B, M, γ, D] block hidden states; [:, m, k] predicts token anchors[m] + k (k >= 1).
+    """
+    b, s = tokens.shape
+    m = anchors.shape[1]
+    pos_s = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    ctx_kv = context_kv(cfg, p, context(cfg, p, feats), pos_s)
+    a_tok = jnp.take_along_axis(tokens, anchors, axis=1)
+    x = block_inputs(p, embed, a_tok, gamma)
+    qpos = (anchors[:, :, None] + jnp.arange(gamma)[None, None]).reshape(b, m * gamma)
+    qa = jnp.repeat(anchors, gamma, axis=1)  # [B, M*γ] anchor of each query
+    ctx_mask = pos_s[:, None, :] < qa[:, :, None]
+    blk = jnp.repeat(jnp.arange(m), gamma)
+    block_mask = jnp.broadcast_to(blk[:, None] == blk[None, :], (b, m * gamma, m * gamma))
+    h = block_forward(cfg, p, x, qpos, ctx_kv, ctx_mask, block_mask)
+    return h.reshape(b, m, gamma, -1)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DFlashState:
+    ck: tuple[jax.Array, ...]  # per layer f32[B, C, KV, hd]: context keys, slot = position
+    cv: tuple[jax.Array, ...]
+    pending: Pending
+    conf: jax.Array  # f32[B, K] confidences (chosen token's probability) of the last proposal
+    vhat: jax.Array  # f32[B, K] verification-head probabilities
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DFlash:
+    """The DFlash drafter as a jspec drafter. Proposes k <= block-1 tokens in one pass."""
+
+    params: Params
+    embed: jax.Array  # [V, D] the target's embedding (shared)
+    head: jax.Array  # [Vd, D]
+    vocab_ids: jax.Array  # i32[Vd]
+    cfg: DrafterConfig = dataclasses.field(metadata=dict(static=True))
+    cut: float = dataclasses.field(metadata=dict(static=True), default=0.0)
+    name: str = dataclasses.field(metadata=dict(static=True), default="dflash")
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.cfg.feature_layers
+
+    @property
+    def may_abstain(self) -> bool:
+        return self.cut > 0
+
+    def _write(self, ck, cv, feats, positions):
+        c = context(self.cfg, self.params, feats)
+        rows = jnp.arange(feats.shape[0])[:, None]
+        kv = context_kv(self.cfg, self.params, c, positions)
+        ck = tuple(a.at[rows, positions].set(k, mode="drop") for a, (k, _) in zip(ck, kv))
+        cv = tuple(a.at[rows, positions].set(v, mode="drop") for a, (_, v) in zip(cv, kv))
+        return ck, cv
+
+    def init_state(self, features: jax.Array, prompt_ids: jax.Array, prompt_lengths: jax.Array,
+                   capacity: int, k: int) -> DFlashState:
+        b, p = prompt_ids.shape
+        cfg = self.cfg
+        z = jnp.zeros((b, capacity, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
+        pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+        ck, cv = self._write((z,) * cfg.num_layers, (z,) * cfg.num_layers, features, pos)
+        pend = jnp.zeros((b, k + 1) + features.shape[2:], jnp.float32)
+        zk = jnp.zeros((b, k), jnp.float32)
+        return DFlashState(ck=ck, cv=cv, pending=Pending(pend, prompt_lengths,
+                                                         jnp.zeros((b,), jnp.int32)),
+                           conf=zk, vhat=zk)
+
+    def observe(self, state: DFlashState, feats: jax.Array, start: jax.Array,
+                count: jax.Array) -> DFlashState:
+        return dataclasses.replace(state, pending=Pending(feats, start, count))
+
+    def propose(self, state: DFlashState, ctx: DraftContext, k: int, sampling: Sampling,
+                key: jax.Array) -> tuple[jax.Array, jax.Array | None, DFlashState]:
+        cfg, p = self.cfg, self.params
+        if k + 1 > cfg.block:
+            raise ValueError(f"DFlash drafter trained with block {cfg.block}: k <= "
+                             f"{cfg.block - 1}, got {k}")
+        pend = state.pending
+        b, m = pend.feats.shape[:2]
+        pos = pend.start[:, None] + jnp.arange(m, dtype=jnp.int32)[None]
+        ck, cv = self._write(state.ck, state.cv, pend.feats, pos)
+        gamma = k + 1
+        x = block_inputs(p, self.embed, ctx.last[:, None], gamma)  # [B, γ, D]
+        qpos = ctx.cache_len[:, None] + jnp.arange(gamma, dtype=jnp.int32)[None]
+        slots = jnp.arange(ck[0].shape[1], dtype=jnp.int32)
+        ctx_mask = jnp.broadcast_to(slots[None, None, :] < ctx.cache_len[:, None, None],
+                                    (b, gamma, slots.shape[0]))
+        h = block_forward(cfg, p, x, qpos, list(zip(ck, cv)), ctx_mask,
+                          jnp.ones((b, gamma, gamma), bool))
+        h = h[:, 1:]  # [B, k, D]
+        tokens, q, conf = choose(draft_logits(cfg, p, self.head, h), self.vocab_ids,
+                                 cfg.target_vocab, sampling, key)
+        vhat = jax.nn.sigmoid(verify_head(p, h))
+        if self.cut > 0:
+            tokens = jnp.where(jnp.cumsum(vhat < self.cut, axis=1) > 0, -1, tokens)
+        return tokens, q, DFlashState(ck=ck, cv=cv, pending=pend, conf=conf, vhat=vhat)
+
+
+def make(cfg: DrafterConfig, params: Params, vocab_ids: Any, target_weights: Any,
+         cut: float = 0.0, name: str = "dflash") -> DFlash:
+    vocab = jnp.asarray(np.asarray(vocab_ids), jnp.int32)
+    embed = target_weights.embed
+    head = (jnp.take(embed, vocab, axis=0) if target_weights.lm_head is None
+            else target_weights.lm_head.T[vocab]).astype(jnp.float32)
+    return DFlash(params=params, embed=embed, head=head, vocab_ids=vocab, cfg=cfg, cut=cut,
+                  name=name)

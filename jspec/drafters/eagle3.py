@@ -1,0 +1,208 @@
+"""EAGLE-3-style drafter: one decoder layer over fused low/mid/high target features.
+
+Entry s of the drafter pairs the target's features at position s (fused by `fc` from three
+layers) with the embedding of token s+1; its output hidden state predicts token s+2. Drafting
+chains on its own outputs: step j feeds its previous hidden state in place of the features
+(training-time test trains exactly that, `train_forward`). Own KV cache, slot = position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.drafters.base import DraftContext
+from jspec.drafters.trained import (DrafterConfig, Params, Pending, attention, choose, dense,
+                                    draft_logits, init_dense, init_layer, mlp, qkv,
+                                    verify_head)
+from jspec.models.llama import rms_norm
+from jspec.sampling import Sampling
+
+
+def init_params(cfg: DrafterConfig, key: jax.Array) -> Params:
+    d, f = cfg.hidden_size, len(cfg.feature_layers)
+    k1, k2 = jax.random.split(key)
+    p = {"fc": init_dense(k1, f * d, d), "norm_emb": jnp.ones((d,), jnp.float32),
+         "norm_feat": jnp.ones((d,), jnp.float32), "final_norm": jnp.ones((d,), jnp.float32),
+         "vh_w": jnp.zeros((d,), jnp.float32), "vh_b": jnp.zeros((1,), jnp.float32)}
+    p.update(init_layer(k2, cfg, "", 2 * d))
+    return p
+
+
+def fuse(p: Params, feats: jax.Array) -> jax.Array:
+    """g f32[B, T, D] from rms-normalised features f32[B, T, F, D]."""
+    b, t, f, d = feats.shape
+    return dense(feats.reshape(b, t, f * d), p["fc"])
+
+
+def _layer_in(cfg: DrafterConfig, p: Params, emb: jax.Array, g: jax.Array) -> jax.Array:
+    return jnp.concatenate([rms_norm(emb, p["norm_emb"], cfg.rms_eps),
+                            rms_norm(g, p["norm_feat"], cfg.rms_eps)], axis=-1)  # [B, T, 2D]
+
+
+def step(cfg: DrafterConfig, p: Params, emb: jax.Array, g: jax.Array, positions: jax.Array,
+         ck: jax.Array, cv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One cached pass over T entries. emb, g: [B, T, D]; positions i32[B, T] (= cache slots).
+
+    Writes the entries' K/V at their slots and attends to every slot <= own position.
+    Returns (h f32[B, T, D], ck, cv).
+    """
+    b = emb.shape[0]
+    q, k, v = qkv(cfg, p, "", _layer_in(cfg, p, emb, g), positions)
+    rows = jnp.arange(b)[:, None]
+    ck = ck.at[rows, positions].set(k, mode="drop")
+    cv = cv.at[rows, positions].set(v, mode="drop")
+    slots = jnp.arange(ck.shape[1], dtype=jnp.int32)
+    mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, C]
+    x = g + dense(attention(q, ck, cv, mask), p["wo"])
+    return mlp(p, "", x, cfg.rms_eps), ck, cv
+
+
+def train_forward(cfg: DrafterConfig, p: Params, embed: jax.Array, tokens: jax.Array,
+                  feats: jax.Array, steps: int) -> list[jax.Array]:
+    """Training-time test over whole sequences, all chains in parallel.
+
+    Args:
+      embed: the target's embedding [V, D] (frozen).
+      tokens: i32[B, S]; feats: f32[B, S, F, D] (rms-normalised target features).
+    Returns:
+      `steps` hidden states f32[B, S, D]; h_j[:, s] predicts token s + j + 1 (chain started at
+      entry s, j = 1..steps), fed its own previous outputs and the true tokens in between.
+    """
+    b, s = tokens.shape
+    pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, steps), jnp.int32)], axis=1)
+    g = fuse(p, feats)
+    causal = pos[:, :, None] >= pos[:, None, :]  # [B, S, S]
+    hd, kvh = cfg.head_dim, cfg.num_kv_heads
+    grp = cfg.num_heads // kvh
+    outs, diag_k, diag_v = [], [], []
+    k1 = v1 = None
+    for j in range(1, steps + 1):
+        emb = jnp.take(embed, nxt[:, j - 1: j - 1 + s], axis=0).astype(jnp.float32)
+        q, k, v = qkv(cfg, p, "", _layer_in(cfg, p, emb, g), pos + (j - 1))
+        if j == 1:
+            k1, v1 = k, v
+            o = attention(q, k, v, causal)
+        else:
+            diag_k.append(k)
+            diag_v.append(v)
+            qg = q.reshape(b, s, kvh, grp, hd)
+            sc = jnp.einsum("btkgd,bskd->bkgts", qg, k1) / np.sqrt(hd)
+            sc = jnp.where(causal[:, None, None], sc, -1e30)  # [B, KV, G, S, S]
+            sd = jnp.stack([jnp.einsum("btkgd,btkd->bkgt", qg, dk) for dk in diag_k], -1)
+            sd = sd / np.sqrt(hd)  # [B, KV, G, S, j-1]
+            pr = jax.nn.softmax(jnp.concatenate([sc, sd], axis=-1), axis=-1)
+            o = jnp.einsum("bkgts,bskd->btkgd", pr[..., :s], v1)
+            for i, dv in enumerate(diag_v):
+                o = o + jnp.einsum("bkgt,btkd->btkgd", pr[..., s + i], dv)
+            o = o.reshape(b, s, cfg.num_heads * hd)
+        x = g + dense(o, p["wo"])
+        h = mlp(p, "", x, cfg.rms_eps)
+        outs.append(h)
+        g = h
+    return outs
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Eagle3State:
+    ck: jax.Array  # f32[B, C, KV, hd] the drafter's keys, slot = position
+    cv: jax.Array
+    pending: Pending
+    conf: jax.Array  # f32[B, K] confidences of the last proposal
+    vhat: jax.Array  # f32[B, K] verification-head probabilities of the last proposal
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Eagle3:
+    """The EAGLE-3 drafter as a jspec drafter (protocol of jspec.drafters.base).
+
+    `cut` > 0 (VAT, optional): drafts from the first position whose verification-head
+    probability falls below `cut` are withdrawn (proposed as -1).
+    """
+
+    params: Params
+    embed: jax.Array  # [V, D] the target's embedding (shared)
+    head: jax.Array  # [Vd, D] the target's LM head rows of the draft vocabulary
+    vocab_ids: jax.Array  # i32[Vd]
+    cfg: DrafterConfig = dataclasses.field(metadata=dict(static=True))
+    cut: float = dataclasses.field(metadata=dict(static=True), default=0.0)
+    name: str = dataclasses.field(metadata=dict(static=True), default="eagle3")
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.cfg.feature_layers
+
+    @property
+    def may_abstain(self) -> bool:
+        return self.cut > 0
+
+    def init_state(self, features: jax.Array, prompt_ids: jax.Array, prompt_lengths: jax.Array,
+                   capacity: int, k: int) -> Eagle3State:
+        """Ingest prompt entries 0..len-2; entry len-1 waits for the first sampled token."""
+        b, p = prompt_ids.shape
+        cfg = self.cfg
+        ck = jnp.zeros((b, capacity, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
+        cv = jnp.zeros_like(ck)
+        pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+        nxt = jnp.concatenate([prompt_ids[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
+        emb = jnp.take(self.embed, nxt, axis=0).astype(jnp.float32)
+        _, ck, cv = step(cfg, self.params, emb, fuse(self.params, features), pos, ck, cv)
+        last = jnp.take_along_axis(features, (prompt_lengths - 1)[:, None, None, None], axis=1)
+        pend = jnp.zeros((b, k + 1) + features.shape[2:], jnp.float32).at[:, :1].set(last)
+        z = jnp.zeros((b, k), jnp.float32)
+        return Eagle3State(ck=ck, cv=cv, pending=Pending(pend, prompt_lengths - 1,
+                                                         jnp.ones((b,), jnp.int32)),
+                           conf=z, vhat=z)
+
+    def observe(self, state: Eagle3State, feats: jax.Array, start: jax.Array,
+                count: jax.Array) -> Eagle3State:
+        """Features f32[B, K+1, F, D] of the verify block at positions start.., count valid."""
+        return dataclasses.replace(state, pending=Pending(feats, start, count))
+
+    def propose(self, state: Eagle3State, ctx: DraftContext, k: int, sampling: Sampling,
+                key: jax.Array) -> tuple[jax.Array, jax.Array | None, Eagle3State]:
+        cfg, p = self.cfg, self.params
+        pend = state.pending
+        b, m = pend.feats.shape[:2]
+        pos = pend.start[:, None] + jnp.arange(m, dtype=jnp.int32)[None]  # [B, M]
+        nxt = jnp.take_along_axis(ctx.seq, jnp.minimum(pos + 1, ctx.seq.shape[1] - 1), axis=1)
+        emb = jnp.take(self.embed, nxt, axis=0).astype(jnp.float32)
+        h, ck, cv = step(cfg, p, emb, fuse(p, pend.feats), pos, state.ck, state.cv)
+        h = jnp.take_along_axis(h, (pend.count - 1)[:, None, None], axis=1)  # [B, 1, D]
+        p0 = ctx.cache_len - 1  # position of the chain's first entry
+        keys = jax.random.split(key, k)
+        toks, qs, confs, vh = [], [], [], []
+        for j in range(k):
+            t, q, c = choose(draft_logits(cfg, p, self.head, h), self.vocab_ids,
+                             cfg.target_vocab, sampling, keys[j])
+            toks.append(t[:, 0])
+            qs.append(None if q is None else q[:, 0])
+            confs.append(c[:, 0])
+            vh.append(jax.nn.sigmoid(verify_head(p, h))[:, 0])
+            if j + 1 < k:
+                emb = jnp.take(self.embed, t, axis=0).astype(jnp.float32)
+                h, ck, cv = step(cfg, p, emb, h, (p0 + j + 1)[:, None], ck, cv)
+        tokens = jnp.stack(toks, axis=1)
+        vhat = jnp.stack(vh, axis=1)
+        if self.cut > 0:
+            tokens = jnp.where(jnp.cumsum(vhat < self.cut, axis=1) > 0, -1, tokens)
+        q = None if sampling.greedy else jnp.stack(qs, axis=1)
+        return tokens, q, Eagle3State(ck=ck, cv=cv, pending=pend, conf=jnp.stack(confs, 1),
+                                      vhat=vhat)
+
+
+def make(cfg: DrafterConfig, params: Params, vocab_ids: Any, target_weights: Any,
+         cut: float = 0.0, name: str = "eagle3") -> Eagle3:
+    vocab = jnp.asarray(np.asarray(vocab_ids), jnp.int32)
+    embed = target_weights.embed
+    head = (jnp.take(embed, vocab, axis=0) if target_weights.lm_head is None
+            else target_weights.lm_head.T[vocab]).astype(jnp.float32)
+    return Eagle3(params=params, embed=embed, head=head, vocab_ids=vocab, cfg=cfg, cut=cut,
+                  name=name)

@@ -1,0 +1,232 @@
+"""Pieces shared by the trained drafters (EAGLE-3, DFlash): config, parameters, layers, I/O.
+
+Both read the target's hidden states ("features") at a few layers. The speculative round asks
+the target forward for those layers (`feature_layers`), normalises each by its RMS (late layers
+reach |x| ~ 1e5) and hands them to the drafter through `observe`; the drafter ingests them at the
+start of its next `propose`. Both share the target's embedding, and their LM head is the target's
+(tied) head restricted to a draft vocabulary of the most frequent response tokens (`vocab_ids`):
+a draft distribution q is zero outside it, which keeps verification lossless.
+
+Parameters are a flat dict of arrays (a pytree); files are safetensors with the config and the
+draft vocabulary inside.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.errors import JspecError
+from jspec.models.llama import rms_norm, rope
+from jspec.sampling import NEG, Sampling, process_logits
+
+Params = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """Static shape of a trained drafter. Hashable (a jit static)."""
+
+    kind: str  # "eagle3" | "dflash"
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_size: int
+    num_layers: int
+    feature_layers: tuple[int, ...]  # target layers read (output of layer i)
+    draft_vocab: int  # size of the draft vocabulary
+    target_vocab: int
+    rope_theta: float
+    rms_eps: float
+    block: int  # DFlash: γ (anchor + γ-1 masks); EAGLE-3: training-time-test steps
+    target: str = ""  # name of the target it was trained for
+    vat: bool = False  # has a trained verification head
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, s: str) -> DrafterConfig:
+        d = json.loads(s)
+        d["feature_layers"] = tuple(d["feature_layers"])
+        return cls(**d)
+
+    def inv_freq(self) -> np.ndarray:
+        hd = self.head_dim
+        return 1.0 / (self.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+
+
+def rms_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """x / RMS(x) over the last axis, float32 (how features are fed to drafters)."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def dense(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.einsum("...d,df->...f", x, w, preferred_element_type=jnp.float32)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """GQA attention. q: [B, T, H, hd]; k, v: [B, S, KV, hd]; mask: bool[B, T, S] -> [B, T, H*hd]."""
+    b, t, h, hd = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, t, kv, h // kv, hd)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) / np.sqrt(hd)
+    s = jnp.where(mask[:, None, None], s, -1e30)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgts,bskd->btkgd", p, v, preferred_element_type=jnp.float32)
+    return o.reshape(b, t, h * hd)
+
+
+def mlp(p: Params, prefix: str, x: jax.Array, eps: float) -> jax.Array:
+    """x + SwiGLU(RMSNorm(x))."""
+    y = rms_norm(x, p[prefix + "mlp_norm"], eps)
+    a = jax.nn.silu(dense(y, p[prefix + "w_gate"])) * dense(y, p[prefix + "w_up"])
+    return x + dense(a, p[prefix + "w_down"])
+
+
+def qkv(cfg: DrafterConfig, p: Params, prefix: str, x: jax.Array, positions: jax.Array
+        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """RoPE'd q [B, T, H, hd], k, v [B, T, KV, hd] from (already normed) x: [B, T, Din]."""
+    b, t, _ = x.shape
+    inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
+    q = dense(x, p[prefix + "wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = dense(x, p[prefix + "wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = dense(x, p[prefix + "wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    return rope(q, positions, inv), rope(k, positions, inv), v
+
+
+def init_dense(key: jax.Array, d_in: int, d_out: int) -> jax.Array:
+    return jax.random.normal(key, (d_in, d_out), jnp.float32) * (1.0 / np.sqrt(d_in))
+
+
+def init_layer(key: jax.Array, cfg: DrafterConfig, prefix: str, d_in: int) -> Params:
+    """One decoder layer whose q/k/v read `d_in` features."""
+    ks = jax.random.split(key, 7)
+    d, h, kv, hd, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                       cfg.ffn_size)
+    return {prefix + "wq": init_dense(ks[0], d_in, h * hd),
+            prefix + "wk": init_dense(ks[1], d_in, kv * hd),
+            prefix + "wv": init_dense(ks[2], d_in, kv * hd),
+            prefix + "wo": init_dense(ks[3], h * hd, d) * 0.5,
+            prefix + "mlp_norm": jnp.ones((d,), jnp.float32),
+            prefix + "w_gate": init_dense(ks[4], d, f),
+            prefix + "w_up": init_dense(ks[5], d, f),
+            prefix + "w_down": init_dense(ks[6], f, d) * 0.5}
+
+
+def draft_logits(cfg: DrafterConfig, p: Params, head: jax.Array, h: jax.Array) -> jax.Array:
+    """f32[..., Vd] draft-vocabulary logits from drafter hidden states [..., D]."""
+    return dense(rms_norm(h, p["final_norm"], cfg.rms_eps), head.T)
+
+
+def verify_head(p: Params, h: jax.Array) -> jax.Array:
+    """VAT verification head: f32[...] logit of v̂ (sigmoid -> probability of acceptance)."""
+    return dense(h, p["vh_w"][:, None])[..., 0] + p["vh_b"][0]
+
+
+def to_full_vocab(logits_d: jax.Array, vocab_ids: jax.Array, v: int) -> jax.Array:
+    """f32[..., V]: draft-vocabulary logits scattered into the target vocabulary (NEG elsewhere)."""
+    full = jnp.full(logits_d.shape[:-1] + (v,), NEG, jnp.float32)
+    return full.at[..., vocab_ids].set(logits_d)
+
+
+def choose(logits_d: jax.Array, vocab_ids: jax.Array, v: int, sampling: Sampling,
+           key: jax.Array) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+    """Pick draft tokens from draft-vocab logits [B, K, Vd].
+
+    Returns (tokens i32[B, K] in the target vocabulary, q f32[B, K, V] or None when greedy,
+    the chosen token's probability f32[B, K] (the confidence LibraSpec and D²SD read)).
+    """
+    if sampling.greedy:
+        idx = jnp.argmax(logits_d, axis=-1)
+        conf = jnp.max(jax.nn.softmax(logits_d, axis=-1), axis=-1)
+        return vocab_ids[idx].astype(jnp.int32), None, conf
+    z = process_logits(to_full_vocab(logits_d, vocab_ids, v), sampling)
+    tok = jax.random.categorical(key, z, axis=-1).astype(jnp.int32)
+    q = jax.nn.softmax(z, axis=-1)
+    conf = jnp.take_along_axis(q, tok[..., None], axis=-1)[..., 0]
+    return tok, q, conf
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Pending:
+    """Target features of the last verify, not yet ingested by the drafter."""
+
+    feats: jax.Array  # f32[B, M, F, D] rms-normalised features at positions start + m
+    start: jax.Array  # i32[B]
+    count: jax.Array  # i32[B] valid entries (accepted drafts + 1)
+
+
+def save_drafter(path: str | Path, cfg: DrafterConfig, params: Params, vocab_ids: np.ndarray,
+                 dtype: str = "bfloat16") -> None:
+    """safetensors with the config (metadata), the draft vocabulary and the parameters."""
+    from safetensors.numpy import save_file  # noqa: PLC0415
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    out = {"vocab_ids": np.asarray(vocab_ids, np.int32)}
+    for k, v in params.items():
+        a = np.asarray(jnp.asarray(v, jnp.float32))
+        if dtype == "bfloat16":  # stored as raw bits (numpy has no bfloat16)
+            out["bf16." + k] = np.asarray(jnp.asarray(a, jnp.bfloat16)).view(np.uint16)
+        else:
+            out[k] = a.astype(dtype)
+    tmp = path.with_suffix(".tmp")
+    save_file(out, str(tmp), metadata={"jspec_drafter": cfg.to_json()})
+    tmp.replace(path)
+
+
+def load_drafter_file(path: str | Path) -> tuple[DrafterConfig, Params, np.ndarray]:
+    from safetensors import safe_open  # noqa: PLC0415
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), "np") as f:
+            meta = f.metadata() or {}
+            if "jspec_drafter" not in meta:
+                raise JspecError(f"{path} is not a jspec drafter file (no config metadata)")
+            cfg = DrafterConfig.from_json(meta["jspec_drafter"])
+            params, vocab = {}, None
+            for k in f.keys():
+                a = f.get_tensor(k)
+                if k == "vocab_ids":
+                    vocab = a
+                elif k.startswith("bf16."):
+                    params[k[5:]] = jnp.asarray(
+                        jnp.asarray(a.view(jnp.bfloat16), jnp.float32))
+                else:
+                    params[k] = jnp.asarray(a, jnp.float32)
+    except (OSError, ValueError) as e:
+        if isinstance(e, JspecError):
+            raise
+        raise JspecError(f"cannot read drafter file {path}: {e}") from e
+    if vocab is None:
+        raise JspecError(f"{path} has no vocab_ids")
+    return cfg, params, vocab
+
+
+def param_count(params: Params) -> int:
+    return int(sum(np.prod(v.shape) for v in params.values()))
+
+
+def check_target(cfg: DrafterConfig, target_config: Any) -> None:
+    """Clear errors when a drafter does not fit the target it is loaded for."""
+    if cfg.target_vocab != target_config.vocab_size:
+        raise JspecError(f"drafter was trained for a vocabulary of {cfg.target_vocab}, the target "
+                         f"has {target_config.vocab_size}")
+    if cfg.hidden_size != target_config.hidden_size:
+        raise JspecError(f"drafter hidden size {cfg.hidden_size} != target's "
+                         f"{target_config.hidden_size}")
+    if max(cfg.feature_layers) > target_config.num_layers:
+        raise JspecError(f"drafter reads target layer {max(cfg.feature_layers)}, the target has "
+                         f"{target_config.num_layers}")
+

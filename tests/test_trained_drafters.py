@@ -1,0 +1,189 @@
+"""EAGLE-3 and DFlash drafters: inference path == training path, greedy identity, file I/O."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_model
+
+import jspec
+from jspec.decode import features, init_state, speculative_round
+from jspec.drafters import dflash, eagle3
+from jspec.drafters.base import DraftContext
+from jspec.drafters.trained import (DrafterConfig, draft_logits, load_drafter_file,
+                                    save_drafter)
+from jspec.models.cache import KVCache
+from jspec.models.llama import forward
+from jspec.sampling import Sampling
+from jspec.verify import Lossless
+
+
+def tiny_cfg(kind: str, model) -> DrafterConfig:
+    c = model.config
+    return DrafterConfig(kind=kind, hidden_size=c.hidden_size, num_heads=4, num_kv_heads=2,
+                         head_dim=8, ffn_size=40, num_layers=1 if kind == "eagle3" else 2,
+                         feature_layers=(1, 2) if kind == "dflash" else (0, 1, 2),
+                         draft_vocab=64, target_vocab=c.vocab_size, rope_theta=c.rope_theta,
+                         rms_eps=c.rms_eps, block=4 if kind == "eagle3" else 6, target="tiny")
+
+
+@functools.cache
+def tiny_drafter(kind: str, cut: float = 0.0):
+    model = tiny_model("llama_tied_gqa2", seed=1)
+    cfg = tiny_cfg(kind, model)
+    mod = {"eagle3": eagle3, "dflash": dflash}[kind]
+    params = mod.init_params(cfg, jax.random.key(3))
+    # Make the verification head non-trivial so that `cut` has something to act on.
+    params["vh_w"] = 0.5 * jax.random.normal(jax.random.key(4), params["vh_w"].shape)
+    vocab = np.sort(np.random.default_rng(0).permutation(model.config.vocab_size)[:64])
+    return model, mod.make(cfg, params, vocab, model.weights, cut=cut)
+
+
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12, 13, 14, 15], [20, 21], [30, 31, 30, 31, 30]]
+
+
+def _pad(prompts):
+    width = max(map(len, prompts))
+    ids = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = p
+    return ids, np.asarray([len(p) for p in prompts], np.int32)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_identity(kind, k):
+    model, drafter = tiny_drafter(kind)
+    ids, lens = _pad(PROMPTS)
+    ar = jspec.generate(model, ids, lens, max_new_tokens=24)
+    sp = jspec.generate(model, ids, lens, max_new_tokens=24, drafter=drafter,
+                        length=jspec.FixedLength(k))
+    np.testing.assert_array_equal(sp.tokens, ar.tokens)
+
+
+def test_vat_cut_keeps_greedy_identity():
+    model, drafter = tiny_drafter("eagle3", cut=0.5)
+    ids, lens = _pad(PROMPTS)
+    ar = jspec.generate(model, ids, lens, max_new_tokens=24)
+    sp = jspec.generate(model, ids, lens, max_new_tokens=24, drafter=drafter,
+                        length=jspec.FixedLength(3))
+    np.testing.assert_array_equal(sp.tokens, ar.tokens)
+    # Some drafts were withdrawn: fewer drafted tokens verified than 3 per round.
+    assert (np.asarray(sp.stats.drafted) <= 3 * np.asarray(sp.stats.rounds)).all()
+
+
+def _rounds_with_drafts(model, drafter, k, n_rounds):
+    """Run speculative rounds one at a time; record (cache_len, drafts) before each round."""
+    ids, lens = _pad(PROMPTS)
+    sampling = Sampling()
+    st = init_state(model.config, model.weights, drafter, jnp.asarray(ids), jnp.asarray(lens),
+                    jax.random.key(0), sampling=sampling, max_new_tokens=40, capacity=128,
+                    eos_ids=(), k=k, verifier=Lossless())
+    rnd = jax.jit(functools.partial(speculative_round, model.config, model.weights, drafter,
+                                    k=k, sampling=sampling, eos_ids=(), verifier=Lossless()))
+    log = []
+    for _ in range(n_rounds):
+        ctx = DraftContext(seq=st.seq, cache_len=st.cache.lengths, last=st.last)
+        d, _, _ = drafter.propose(st.drafter, ctx, k, sampling, jax.random.key(1))
+        log.append((np.asarray(st.cache.lengths), np.asarray(d)))
+        st = rnd(st)
+    return st, log
+
+
+def _target_features(model, seq, layers):
+    b, s = seq.shape
+    cache = KVCache.create(model.config, b, s)
+    out = forward(model.config, model.weights, jnp.asarray(seq),
+                  jnp.broadcast_to(jnp.arange(s), (b, s)), cache, hidden_layers=layers)
+    return features(out.hidden)
+
+
+def test_eagle3_inference_matches_training_forward():
+    """Drafts made round by round (cache + pending features) equal the argmax of the
+    training-time-test forward over the final sequence, for every chain start and step."""
+    model, drafter = tiny_drafter("eagle3")
+    k = 3
+    st, log = _rounds_with_drafts(model, drafter, k, 5)
+    seq = np.asarray(st.seq)
+    # train_forward feeds the given next tokens; inference feeds its own drafts. Per round,
+    # give train_forward the committed prefix followed by that round's drafts.
+    checked = 0
+    for L, d in log:
+        alt = seq.copy()
+        for b in range(seq.shape[0]):
+            alt[b, L[b] + 1: L[b] + 1 + k] = d[b]
+        feats = _target_features(model, alt, drafter.cfg.feature_layers)
+        hs = eagle3.train_forward(drafter.cfg, drafter.params, drafter.embed, jnp.asarray(alt),
+                                  feats, steps=k)
+        for b in range(seq.shape[0]):
+            for j in range(k):
+                logits = draft_logits(drafter.cfg, drafter.params, drafter.head, hs[j][b, L[b] - 1])
+                assert int(drafter.vocab_ids[jnp.argmax(logits)]) == int(d[b, j]), (b, j)
+                checked += 1
+    assert checked == 5 * 4 * k
+
+
+def test_dflash_inference_matches_training_forward():
+    model, drafter = tiny_drafter("dflash")
+    k = 5
+    st, log = _rounds_with_drafts(model, drafter, k, 5)
+    seq = np.asarray(st.seq)
+    feats = _target_features(model, seq, drafter.cfg.feature_layers)
+    for L, d in log:
+        anchors = jnp.asarray(L[:, None])  # the block's anchor sits at position cache_len
+        h = dflash.train_forward(drafter.cfg, drafter.params, drafter.embed, jnp.asarray(seq),
+                                 feats, anchors, gamma=k + 1)
+        logits = draft_logits(drafter.cfg, drafter.params, drafter.head, h[:, 0, 1:])
+        np.testing.assert_array_equal(np.asarray(drafter.vocab_ids[jnp.argmax(logits, -1)]), d)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_save_load_roundtrip(tmp_path, kind):
+    model, drafter = tiny_drafter(kind)
+    path = tmp_path / "d.safetensors"
+    save_drafter(path, drafter.cfg, drafter.params, np.asarray(drafter.vocab_ids),
+                 dtype="float32")
+    cfg, params, vocab = load_drafter_file(path)
+    assert cfg == drafter.cfg
+    np.testing.assert_array_equal(vocab, np.asarray(drafter.vocab_ids))
+    for name, v in drafter.params.items():
+        np.testing.assert_array_equal(np.asarray(params[name]), np.asarray(v))
+    loaded = jspec.load_drafter(str(path), target=model)
+    assert loaded.cfg == drafter.cfg
+
+
+def test_bad_trained_drafter_inputs(tmp_path):
+    model, drafter = tiny_drafter("dflash")
+    with pytest.raises(jspec.JspecError):
+        drafter.propose  # noqa: B018
+        ids, lens = _pad(PROMPTS)
+        jspec.generate(model, ids, lens, max_new_tokens=8, drafter=drafter,
+                       length=jspec.FixedLength(drafter.cfg.block))  # k + 1 > block
+    path = tmp_path / "d.safetensors"
+    save_drafter(path, drafter.cfg, drafter.params, np.asarray(drafter.vocab_ids))
+    other = tiny_model("llama_mqa_scaled")  # hidden 48, not 32
+    with pytest.raises(jspec.JspecError, match="hidden size"):
+        jspec.load_drafter(str(path), target=other)
+    with pytest.raises(jspec.JspecError, match="cut"):
+        jspec.load_drafter(f"{path}:cut=1.5", target=model)
+    (tmp_path / "x.safetensors").write_bytes(b"not a file")
+    with pytest.raises(jspec.JspecError):
+        jspec.load_drafter(str(tmp_path / "x.safetensors"), target=model)
+
+
+def test_state_is_a_pytree_without_recompiles():
+    model, drafter = tiny_drafter("eagle3")
+    ids, lens = _pad(PROMPTS)
+    jspec.generate(model, ids, lens, max_new_tokens=10, drafter=drafter,
+                   length=jspec.FixedLength(2))
+    from jspec.decode import _generate  # noqa: PLC0415
+    before = _generate._cache_size()
+    jspec.generate(model, ids, lens, max_new_tokens=10, drafter=dataclasses.replace(
+        drafter, params={k: v * 1.01 for k, v in drafter.params.items()}),
+        length=jspec.FixedLength(2))
+    assert _generate._cache_size() == before

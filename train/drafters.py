@@ -1,0 +1,442 @@
+"""`python -m train eagle3 | dflash`: train a drafter on the target's own responses.
+
+Data: shards from `python -m train datagen` (tokens + cached target features). The loss is
+soft CE (against the target's distribution restricted to the draft vocabulary, recomputed from
+the cached final hidden state through the shared LM head) + hard CE (the target's token), with
+position weights 0.8^(k-1) (EAGLE-3) or exp(-(k-1)/7) (DFlash). `--vat` adds verification-aware
+training (ALGORITHMS.md §6): a simulated greedy verification of every drafted block gives k*, the
+first rejected position; the verification head learns 1[k < k*] (BCE, gradient into the drafter)
+and the position weights become 1 before k* and the base decay restarted at k*.
+
+Infrastructure: Optax AdamW with warmup + cosine decay and global-norm clipping; Orbax
+checkpoints every --ckpt-every steps and at the end; a rerun of the same command resumes from the
+last checkpoint (batches and anchors are functions of (seed, step), so a resumed run is the run
+that would have happened). Progress bar with loss and simulated acceptance; periodic simulated τ
+on the held-out shards. The result is a safetensors drafter file (bfloat16) that
+`jspec.load_drafter` reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import glob
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.drafters import dflash, eagle3
+from jspec.drafters.trained import DrafterConfig, Params, draft_logits, save_drafter, verify_head
+from train.datagen import FEATURE_LAYERS, load_shard
+
+EAGLE_LAYERS = (1, 14, 27)  # low / mid / high, a subset of FEATURE_LAYERS
+
+
+# ----------------------------------------------------------------------------- data
+@dataclasses.dataclass
+class Rows:
+    """Training sequences held in memory (features as stored: float16)."""
+
+    tokens: list[np.ndarray]  # i32[n]
+    plens: list[int]
+    feats: list[np.ndarray]  # f16[n, F, D] (FEATURE_LAYERS then final-normed)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def load_rows(data: str, heldout: bool, sets: list[str] | None = None) -> Rows:
+    files = sorted(glob.glob(str(Path(data) / "*.npz")))
+    files = [f for f in files if Path(f).name.startswith("heldout_") == heldout]
+    if sets:
+        files = [f for f in files if Path(f).name.split("-")[0].removeprefix("heldout_") in sets]
+    if not files:
+        raise SystemExit(f"error: no {'held-out' if heldout else 'training'} shards in {data} "
+                         "(run `python -m train datagen` first)")
+    toks, plens, feats = [], [], []
+    for f in files:
+        sh = load_shard(Path(f))
+        for r in range(len(sh.prompt_lens)):
+            a, b = int(sh.offsets[r]), int(sh.offsets[r + 1])
+            if b - a - int(sh.prompt_lens[r]) < 2:
+                continue
+            toks.append(np.asarray(sh.tokens[a:b]))
+            plens.append(int(sh.prompt_lens[r]))
+            feats.append(np.asarray(sh.feats[a:b]))
+    return Rows(toks, plens, feats)
+
+
+def draft_vocab(rows: Rows, size: int, eos_ids: tuple[int, ...]) -> np.ndarray:
+    """The `size` most frequent response tokens (EOS always in), sorted ids."""
+    counts = np.zeros((max(int(t.max()) for t in rows.tokens) + 1,), np.int64)
+    for t, p in zip(rows.tokens, rows.plens):
+        np.add.at(counts, t[p:], 1)
+    order = np.argsort(-counts, kind="stable")
+    keep = [int(i) for i in order[:size]]
+    for e in eos_ids:
+        if e not in keep:
+            keep[-1] = e
+    return np.sort(np.asarray(keep, np.int32))
+
+
+def coverage(rows: Rows, vocab: np.ndarray) -> float:
+    v = set(vocab.tolist())
+    tot = hit = 0
+    for t, p in zip(rows.tokens, rows.plens):
+        r = t[p:]
+        tot += len(r)
+        hit += sum(1 for x in r.tolist() if x in v)
+    return hit / max(tot, 1)
+
+
+def make_batch(rows: Rows, idx: list[int], seq: int, feat_idx: list[int]) -> dict[str, np.ndarray]:
+    """Right-padded [B, seq] batch; rows longer than seq keep their last seq tokens."""
+    b = len(idx)
+    d = rows.feats[0].shape[-1]
+    out = {"tokens": np.zeros((b, seq), np.int32), "lens": np.zeros((b,), np.int32),
+           "plens": np.zeros((b,), np.int32),
+           "feats": np.zeros((b, seq, len(feat_idx), d), np.float16),
+           "final": np.zeros((b, seq, d), np.float16)}
+    for i, r in enumerate(idx):
+        t, f, p = rows.tokens[r], rows.feats[r], rows.plens[r]
+        off = max(0, len(t) - seq)
+        t, f, p = t[off:], f[off:], max(1, p - off)
+        n = len(t)
+        out["tokens"][i, :n] = t
+        out["feats"][i, :n] = f[:, feat_idx]
+        out["final"][i, :n] = f[:, -1]
+        out["lens"][i], out["plens"][i] = n, p
+    return out
+
+
+def batches_for(rows: Rows, seq_buckets: tuple[int, ...], tokens_per_batch: int
+                ) -> list[tuple[int, list[int]]]:
+    """A fixed list of (bucket, row indices); rows grouped by length bucket."""
+    by: dict[int, list[int]] = {s: [] for s in seq_buckets}
+    for i, t in enumerate(rows.tokens):
+        s = next((s for s in seq_buckets if len(t) <= s), seq_buckets[-1])
+        by[s].append(i)
+    out = []
+    for s, ids in by.items():
+        bsz = max(1, tokens_per_batch // s)
+        for j in range(0, len(ids) - bsz + 1, bsz):
+            out.append((s, ids[j: j + bsz]))
+        if len(ids) % bsz and len(ids) >= bsz:
+            out.append((s, ids[-bsz:]))  # the remainder, completed with earlier rows
+    return out
+
+
+def sample_positions(rng: np.random.Generator, lens: np.ndarray, plens: np.ndarray, n: int,
+                     lo_off: int, hi_off: int) -> tuple[np.ndarray, np.ndarray]:
+    """n positions per row in [plen + lo_off, len - hi_off] (with replacement if few); valid mask."""
+    b = len(lens)
+    pos = np.zeros((b, n), np.int32)
+    valid = np.zeros((b, n), bool)
+    for i in range(b):
+        lo, hi = int(plens[i]) + lo_off, int(lens[i]) - hi_off
+        if hi < lo:
+            continue
+        cand = np.arange(lo, hi + 1)
+        if len(cand) >= n:
+            pos[i] = np.sort(rng.choice(cand, n, replace=False))
+            valid[i] = True
+        else:
+            pos[i, : len(cand)] = cand
+            valid[i, : len(cand)] = True
+    return pos, valid
+
+
+# ----------------------------------------------------------------------------- losses
+def base_weight(kind: str, k0: jax.Array) -> jax.Array:
+    """Position weights by 0-based draft index: 0.8^k (EAGLE-3), exp(-k/7) (DFlash)."""
+    return 0.8 ** k0 if kind == "eagle3" else jnp.exp(-k0 / 7.0)
+
+
+def block_loss(kind: str, logits: jax.Array, t_logits: jax.Array, hard: jax.Array,
+               valid: jax.Array, vh: jax.Array, vat_head: bool, vat_weight: bool
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Loss over drafted blocks.
+
+    Args (N blocks, K draft positions, Vd draft vocabulary):
+      logits f32[N, K, Vd] drafter; t_logits f32[N, K, Vd] target (restricted to the draft
+      vocabulary); hard i32[N, K] the target's token as a draft index (-1: not in it);
+      valid bool[N, K]; vh f32[N, K] verification-head logits.
+    """
+    kk = logits.shape[1]
+    logq = jax.nn.log_softmax(logits, axis=-1)
+    pt = jax.nn.softmax(t_logits, axis=-1)
+    soft = -jnp.sum(pt * logq, axis=-1)
+    hard_ce = -jnp.take_along_axis(logq, jnp.maximum(hard, 0)[..., None], axis=-1)[..., 0]
+    hard_ce = jnp.where(hard >= 0, hard_ce, 0.0)
+    # Simulated greedy verification: draft argmax == target argmax, up to the first miss.
+    match = (jnp.argmax(logits, -1) == jnp.argmax(t_logits, -1)) & valid
+    run = jnp.cumprod(match.astype(jnp.int32), axis=1)  # 1 while every earlier one matched
+    first_rej = jnp.sum(run, axis=1)  # [N] = k* (0-based index of the first rejection)
+    k0 = jnp.arange(kk, dtype=jnp.float32)[None]
+    if vat_weight:
+        w = jnp.where(k0 < first_rej[:, None], 1.0,
+                      base_weight(kind, k0 - first_rej[:, None].astype(jnp.float32)))
+    else:
+        w = jnp.broadcast_to(base_weight(kind, k0), logits.shape[:2])
+    w = jax.lax.stop_gradient(w) * valid
+    n_valid = jnp.maximum(jnp.sum(valid), 1)
+    ce = jnp.sum(w * (soft + hard_ce)) / n_valid
+    label = (k0 < first_rej[:, None]).astype(jnp.float32)
+    bce = jnp.sum(valid * (jnp.logaddexp(0.0, vh) - label * vh)) / n_valid
+    loss = ce + (bce if vat_head else 0.0)
+    blocks = jnp.maximum(jnp.sum(valid[:, 0]), 1)
+    metrics = {"loss": loss, "ce": ce, "vh_bce": bce,
+               "acc1": jnp.sum(match[:, 0]) / blocks,
+               "tau_sim": 1.0 + jnp.sum(jnp.where(valid[:, 0], first_rej, 0)) / blocks}
+    return loss, metrics
+
+
+def forward_blocks(kind: str, cfg: DrafterConfig, params: Params, frozen: dict[str, jax.Array],
+                   batch: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
+    """(logits, target logits, hard, valid, vh) for the sampled blocks of a batch."""
+    tokens, lens = batch["tokens"], batch["lens"]
+    feats = batch["feats"].astype(jnp.float32)
+    final = batch["final"].astype(jnp.float32)
+    head, to_draft = frozen["head"], frozen["to_draft"]
+    s = tokens.shape[1]
+    if kind == "eagle3":
+        steps = cfg.block
+        hs = eagle3.train_forward(cfg, params, frozen["embed"], tokens, feats, steps)
+        start = batch["pos"]  # [B, N] chain starts s: step j predicts token s + j + 1
+        hsel = jnp.stack([jnp.take_along_axis(h, start[..., None], axis=1) for h in hs], 2)
+        tpos = start[..., None] + jnp.arange(2, steps + 2)[None, None]  # [B, N, K]
+    else:
+        gamma = cfg.block
+        anchors = batch["pos"]  # [B, M]
+        h = dflash.train_forward(cfg, params, frozen["embed"], tokens, feats, anchors, gamma)
+        hsel = h[:, :, 1:]  # [B, M, γ-1, D]; block slot k predicts token anchor + k
+        tpos = anchors[..., None] + jnp.arange(1, gamma)[None, None]
+    valid = batch["valid"][..., None] & (tpos < lens[:, None, None])
+    tpc = jnp.minimum(tpos, s - 1)
+    b, n, kk = tpc.shape
+    fh = jnp.take_along_axis(final, (tpc - 1).reshape(b, n * kk)[..., None], axis=1)
+    t_logits = (fh @ head.T).reshape(b, n, kk, -1)  # target's logits for token tpos
+    hard = to_draft[jnp.take_along_axis(tokens, tpc.reshape(b, n * kk), axis=1)].reshape(b, n, kk)
+    logits = draft_logits(cfg, params, head, hsel)
+    vh = verify_head(params, hsel)
+    flat = lambda x: x.reshape((b * n, kk) + x.shape[3:])  # noqa: E731
+    return flat(logits), flat(t_logits), flat(hard), flat(valid), flat(vh)
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "cfg", "tx", "vat_head", "vat_weight"),
+                   donate_argnames=("params", "opt_state"))
+def train_step(params: Params, opt_state: Any, frozen: dict[str, jax.Array],
+               batch: dict[str, jax.Array], *, kind: str, cfg: DrafterConfig, tx: Any,
+               vat_head: bool, vat_weight: bool) -> tuple[Params, Any, dict[str, jax.Array]]:
+    import optax  # noqa: PLC0415
+
+    def loss_fn(p):
+        out = forward_blocks(kind, cfg, p, frozen, batch)
+        return block_loss(kind, *out, vat_head=vat_head, vat_weight=vat_weight)
+
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    metrics["grad_norm"] = optax.global_norm(grads)
+    return params, opt_state, metrics
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "cfg"))
+def eval_step(params: Params, frozen: dict[str, jax.Array], batch: dict[str, jax.Array], *,
+              kind: str, cfg: DrafterConfig) -> dict[str, jax.Array]:
+    out = forward_blocks(kind, cfg, params, frozen, batch)
+    return block_loss(kind, *out, vat_head=True, vat_weight=False)[1]
+
+
+# ----------------------------------------------------------------------------- run
+def drafter_config(args: argparse.Namespace, target_config: Any) -> DrafterConfig:
+    c = target_config
+    eagle = args.kind == "eagle3"
+    layers = EAGLE_LAYERS if eagle else FEATURE_LAYERS
+    return DrafterConfig(
+        kind=args.kind, hidden_size=c.hidden_size, num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, ffn_size=args.ffn,
+        num_layers=1 if eagle else args.layers, feature_layers=layers,
+        draft_vocab=args.draft_vocab, target_vocab=c.vocab_size, rope_theta=c.rope_theta,
+        rms_eps=c.rms_eps, block=args.ttt_steps if eagle else args.block, target=args.model,
+        vat=bool(args.vat or args.vat_head))
+
+
+def batch_for_step(args: argparse.Namespace, rows: Rows, plan: list, step: int,
+                   feat_idx: list[int], cfg: DrafterConfig) -> dict[str, np.ndarray]:
+    """Batch `step` of the run: a pure function of (seed, step) (resumable, deterministic)."""
+    n_b = len(plan)
+    epoch, i = divmod(step, n_b)
+    perm = np.random.default_rng([args.seed, epoch]).permutation(n_b)
+    seq, idx = plan[perm[i]]
+    b = make_batch(rows, idx, seq, feat_idx)
+    rng = np.random.default_rng([args.seed, epoch, i, 1])
+    if cfg.kind == "eagle3":  # chain starts s >= plen - 2 (step 1 predicts s + 2 >= plen)
+        pos, valid = sample_positions(rng, b["lens"], b["plens"], args.positions, -2, 3)
+    else:  # anchors a >= plen (the first generated token) with a + 1 < len
+        pos, valid = sample_positions(rng, b["lens"], b["plens"], args.anchors, 0, 2)
+    b["pos"], b["valid"] = pos, valid
+    return b
+
+
+def evaluate(args, rows, plan, feat_idx, cfg, params, frozen) -> dict[str, float]:
+    acc: dict[str, list[float]] = {}
+    for j in range(len(plan)):
+        seq, idx = plan[j]
+        b = make_batch(rows, idx, seq, feat_idx)
+        rng = np.random.default_rng([args.seed, 10**6 + j])
+        if cfg.kind == "eagle3":
+            b["pos"], b["valid"] = sample_positions(rng, b["lens"], b["plens"], args.positions,
+                                                    -2, 3)
+        else:
+            b["pos"], b["valid"] = sample_positions(rng, b["lens"], b["plens"], args.anchors, 0,
+                                                    2)
+        m = eval_step(params, frozen, {k: jnp.asarray(v) for k, v in b.items()}, kind=cfg.kind,
+                      cfg=cfg)
+        for k, v in m.items():
+            acc.setdefault(k, []).append(float(v))
+    return {k: float(np.mean(v)) for k, v in acc.items()}
+
+
+def run(args: argparse.Namespace) -> int:
+    import optax  # noqa: PLC0415
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+    from tqdm import tqdm  # noqa: PLC0415
+
+    from jspec.models.model import load_model  # noqa: PLC0415
+
+    if args.vat:
+        args.vat_head = args.vat_weight = True
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    target = load_model(args.model)
+    cfg = drafter_config(args, target.config)
+    feat_idx = [FEATURE_LAYERS.index(i) for i in cfg.feature_layers]
+    rows = load_rows(args.data, heldout=False, sets=args.sets)
+    held = load_rows(args.data, heldout=True, sets=args.sets)
+    vocab_path = out / "vocab.npy"
+    if vocab_path.exists():
+        vocab = np.load(vocab_path)
+    else:
+        vocab = draft_vocab(rows, args.draft_vocab, target.eos_ids)
+        np.save(vocab_path, vocab)
+    to_draft = np.full((target.config.vocab_size,), -1, np.int32)
+    to_draft[vocab] = np.arange(len(vocab), dtype=np.int32)
+    embed = target.weights.embed.astype(jnp.float32)
+    frozen = {"embed": embed, "head": jnp.take(embed, jnp.asarray(vocab), axis=0),
+              "to_draft": jnp.asarray(to_draft)}
+    plan = batches_for(rows, tuple(args.seq_buckets), args.batch_tokens)
+    held_plan = batches_for(held, tuple(args.seq_buckets), args.batch_tokens)[: args.eval_batches]
+    resp = sum(len(t) - p for t, p in zip(rows.tokens, rows.plens))
+    print(f"train {cfg.kind}: {len(rows)} sequences ({resp} response tokens), {len(plan)} "
+          f"batches/epoch; held-out {len(held)} sequences; draft vocab {len(vocab)} covers "
+          f"{coverage(rows, vocab):.1%} of training / {coverage(held, vocab):.1%} of held-out "
+          "response tokens", flush=True)
+
+    mod = eagle3 if cfg.kind == "eagle3" else dflash
+    params = mod.init_params(cfg, jax.random.key(args.seed))
+    warmup = min(args.warmup, max(args.steps - 1, 0))
+    sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, max(args.steps, warmup + 1),
+                                               end_value=args.lr * 0.05)
+    tx = optax.chain(optax.clip_by_global_norm(args.clip),
+                     optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=args.weight_decay))
+    opt_state = tx.init(params)
+    mngr = ocp.CheckpointManager(out / "ckpt", options=ocp.CheckpointManagerOptions(
+        max_to_keep=2, save_interval_steps=args.ckpt_every))
+    step = 0
+    if mngr.latest_step() is not None:
+        step = int(mngr.latest_step())
+        abstract = {"params": params, "opt_state": opt_state}
+        restored = mngr.restore(step, args=ocp.args.StandardRestore(abstract))
+        params, opt_state = restored["params"], restored["opt_state"]
+        print(f"resumed from the checkpoint at step {step}", flush=True)
+    log = open(out / "log.jsonl", "a")
+    statics = dict(kind=cfg.kind, cfg=cfg, tx=tx, vat_head=args.vat_head,
+                   vat_weight=args.vat_weight)
+    bar = tqdm(range(step, args.steps), initial=step, total=args.steps, unit="step",
+               dynamic_ncols=True)
+    t0 = time.perf_counter()
+    ema: dict[str, float] = {}
+    for step in bar:
+        batch = batch_for_step(args, rows, plan, step, feat_idx, cfg)
+        params, opt_state, m = train_step(params, opt_state, frozen,
+                                          {k: jnp.asarray(v) for k, v in batch.items()},
+                                          **statics)
+        m = {k: float(v) for k, v in m.items()}
+        for k, v in m.items():
+            ema[k] = v if k not in ema else 0.9 * ema[k] + 0.1 * v
+        bar.set_postfix(loss=f"{ema['loss']:.3f}", acc1=f"{ema['acc1']:.2f}",
+                        tau_sim=f"{ema['tau_sim']:.2f}")
+        rec = {"step": step + 1, **m, "time": time.perf_counter() - t0}
+        done = step + 1
+        if args.eval_every and (done % args.eval_every == 0 or done == args.steps):
+            ev = evaluate(args, held, held_plan, feat_idx, cfg, params, frozen)
+            rec.update({f"heldout_{k}": v for k, v in ev.items()})
+            bar.write(f"step {done}: held-out tau_sim {ev['tau_sim']:.3f} acc1 {ev['acc1']:.3f}")
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+        mngr.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+    mngr.wait_until_finished()
+    if mngr.latest_step() != args.steps and args.steps > 0:
+        mngr.save(args.steps, args=ocp.args.StandardSave({"params": params,
+                                                          "opt_state": opt_state}), force=True)
+        mngr.wait_until_finished()
+    final = out / f"{args.name or cfg.kind}.safetensors"
+    save_drafter(final, cfg, params, vocab)
+    size = final.stat().st_size / 2**20
+    print(f"wrote {final} ({size:.1f} MiB) after {args.steps} steps", flush=True)
+    return 0
+
+
+def add_parsers(sub: Any) -> None:
+    for kind, help_ in (("eagle3", "train an EAGLE-3 drafter (one layer, training-time test)"),
+                        ("dflash", "train a DFlash block-diffusion drafter")):
+        p = sub.add_parser(kind, help=help_, description=help_ + ". " + __doc__.split("\n")[2])
+        p.set_defaults(func=run, kind=kind)
+        p.add_argument("--data", default="runs/data", help="datagen shard directory")
+        p.add_argument("--out", default=f"runs/{kind}",
+                       help="run directory: checkpoints, log.jsonl, vocab.npy, the drafter file")
+        p.add_argument("--name", default="", help="drafter file name (default: the kind)")
+        p.add_argument("--model", default="smollm2-135m", help="target model")
+        p.add_argument("--sets", nargs="*", default=None,
+                       help="prompt sets to train on (default: every set in --data)")
+        p.add_argument("--steps", type=int, default=300, help="optimizer steps")
+        p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+        p.add_argument("--warmup", type=int, default=20, help="linear warmup steps")
+        p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
+        p.add_argument("--weight-decay", type=float, default=0.01)
+        p.add_argument("--batch-tokens", type=int, default=4096,
+                       help="tokens per batch (rows x sequence bucket)")
+        p.add_argument("--seq-buckets", type=int, nargs="+", default=[256, 512],
+                       help="padded sequence lengths (longer rows keep their last tokens)")
+        p.add_argument("--draft-vocab", type=int, default=8192,
+                       help="draft vocabulary: the most frequent response tokens")
+        p.add_argument("--ffn", type=int, default=1536 if kind == "eagle3" else 1024,
+                       help="drafter MLP width")
+        if kind == "eagle3":
+            p.add_argument("--ttt-steps", type=int, default=3,
+                           help="training-time-test steps (unrolled on own predictions)")
+            p.add_argument("--positions", type=int, default=128,
+                           help="chain starts sampled per sequence per step")
+        else:
+            p.add_argument("--layers", type=int, default=2, help="drafter layers")
+            p.add_argument("--block", type=int, default=8, help="block size γ (anchor + γ-1)")
+            p.add_argument("--anchors", type=int, default=24,
+                           help="anchors (blocks) sampled per sequence per step")
+        p.add_argument("--vat", action="store_true",
+                       help="verification-aware training: head + adaptive weighting")
+        p.add_argument("--vat-head", action="store_true", help="VAT verification head only")
+        p.add_argument("--vat-weight", action="store_true",
+                       help="VAT adaptive position weighting only")
+        p.add_argument("--ckpt-every", type=int, default=25, help="Orbax checkpoint interval")
+        p.add_argument("--eval-every", type=int, default=50,
+                       help="held-out simulated τ every N steps and at the end (0: never)")
+        p.add_argument("--eval-batches", type=int, default=8, help="held-out batches per eval")
+        p.add_argument("--seed", type=int, default=0)
