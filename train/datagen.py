@@ -72,7 +72,8 @@ def rms_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 
 
 def _torch_generate(hf: Any, prompts: list[list[int]], sampling: Sampling, max_new: int,
-                    eos_id: int, seed: int) -> tuple[np.ndarray, ...]:
+                    eos_id: int, seed: int, layers: tuple[int, ...] = FEATURE_LAYERS
+                    ) -> tuple[np.ndarray, ...]:
     """The torch backend of `generate_with_features` (same outputs, numpy)."""
     import torch  # noqa: PLC0415
 
@@ -93,7 +94,7 @@ def _torch_generate(hf: Any, prompts: list[list[int]], sampling: Sampling, max_n
     hs = g.hidden_states  # steps x (L+1) x [B, T, D]; [L] is after the final norm
 
     def pick(step):  # [B, T, F, D]
-        f = [hs[step][i].float().numpy() for i in FEATURE_LAYERS]
+        f = [hs[step][i].float().numpy() for i in layers]
         f = [x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6) for x in f]
         f.append(hs[step][-1].float().numpy())
         return np.stack(f, axis=2).astype(np.float16)
@@ -109,10 +110,10 @@ def _torch_generate(hf: Any, prompts: list[list[int]], sampling: Sampling, max_n
         n[r] = eos[0] + 1 if len(eos) else n_steps
         toks[r, : n[r]] = row[: n[r]]
     pf0 = pick(0)
-    pf = np.zeros((b, p, len(FEATURE_LAYERS) + 1, d), np.float16)
+    pf = np.zeros((b, p, len(layers) + 1, d), np.float16)
     for r, x in enumerate(prompts):  # back to right padding
         pf[r, : len(x)] = pf0[r, p - len(x):]
-    rf = np.zeros((b, max_new, len(FEATURE_LAYERS) + 1, d), np.float16)
+    rf = np.zeros((b, max_new, len(layers) + 1, d), np.float16)
     for s in range(1, n_steps):
         rf[:, s - 1] = pick(s)[:, 0]
     return pf, toks, n, rf
@@ -236,7 +237,11 @@ def run(args: argparse.Namespace) -> int:
         import importlib.util  # noqa: PLC0415
         backend = "torch" if importlib.util.find_spec("torch") else "jax"
     hf = load_hf_target(args.model) if backend == "torch" else None
-    meta = {"model": args.model, "feature_layers": list(FEATURE_LAYERS),
+    layers = tuple(args.feature_layers) if args.feature_layers else FEATURE_LAYERS
+    if max(layers) > model.config.num_layers:
+        raise SystemExit(f"error: feature layer {max(layers)} > the model's "
+                         f"{model.config.num_layers} layers")
+    meta = {"model": args.model, "feature_layers": list(layers),
             "max_new": args.max_new, "seed": args.seed, "splits": SPLITS,
             "hidden_size": model.config.hidden_size}
     meta_path = out / "meta.json"
@@ -244,18 +249,25 @@ def run(args: argparse.Namespace) -> int:
         old = json.loads(meta_path.read_text())
         if {k: old.get(k) for k in ("model", "feature_layers", "max_new")} != {
                 k: meta[k] for k in ("model", "feature_layers", "max_new")}:
-            raise SystemExit(f"error: {out} holds data made with other settings ({old}); "
-                             "use another --out")
+            meta_path = None
+    if meta_path is None:
+        raise SystemExit(f"error: {out} holds data made with other settings; use another --out")
     meta_path.write_text(json.dumps(meta, indent=1))
 
     jobs = []
-    for name in args.sets:
-        if name not in SPLITS:
+    sources = [Path(args.prompts_file).stem] if args.prompts_file else args.sets
+    for name in sources:
+        if args.prompts_file:
+            rows = [json.loads(x) for x in Path(args.prompts_file).read_text().splitlines()
+                    if x.strip()]
+        elif name not in SPLITS:
             raise SystemExit(f"error: unknown prompt set {name!r} (have {sorted(SPLITS)})")
-        rows = load_prompt_set(SPLITS[name][0 if args.split == "heldout" else 1])
+        else:
+            rows = load_prompt_set(SPLITS[name][0 if args.split == "heldout" else 1])
         if args.limit:
             rows = rows[: args.limit]
-        enc = [model.encode(r["text"]) for r in rows]
+        enc = [model.encode(r["text"]) if model.tokenizer is not None else list(r["ids"])
+               for r in rows]
         order = sorted(range(len(enc)), key=lambda i: len(enc[i]))  # similar lengths together
         for mode in args.modes:
             for s in range(0, len(order), args.batch):
@@ -280,12 +292,12 @@ def run(args: argparse.Namespace) -> int:
         if hf is not None:
             seed = int(jax.random.randint(key, (), 0, 2**31 - 1))
             pf, toks, n, rf = _torch_generate(hf, prompts, MODES[mode], args.max_new,
-                                              model.eos_ids[0], seed)
+                                              model.eos_ids[0], seed, layers)
         else:
             pf, toks, n, rf = generate_with_features(
                 model.weights, jnp.asarray(ids), jnp.asarray(lens), key, config=model.config,
                 sampling=MODES[mode], max_new=args.max_new, capacity=cap,
-                layers=FEATURE_LAYERS, eos_ids=model.eos_ids)
+                layers=layers, eos_ids=model.eos_ids)
             pf, toks, n, rf = (np.asarray(x) for x in (pf, toks, n, rf))
         shard = _pack(prompts, pf, toks, n[: len(prompts)], rf)
         _save(out / f"{name}-{mode}-{idx:04d}.npz", shard)
@@ -308,6 +320,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--batch", type=int, default=16, help="prompts decoded together")
     p.add_argument("--limit", type=int, default=0, help="use only the first N prompts per set")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--feature-layers", type=int, nargs="+", default=None,
+                   help=f"target layers to record (default {list(FEATURE_LAYERS)}: five spread "
+                   "over SmolLM2's 30; EAGLE-3 uses the first, middle and last)")
+    p.add_argument("--prompts-file", default=None,
+                   help="JSONL with a 'text' field per line: use these prompts instead of --sets "
+                   "(named by the file stem)")
     p.add_argument("--split", choices=("train", "heldout"), default="train",
                    help="which part of each prompt set (held-out shards are named heldout_*; "
                    "training never reads them, evaluation only reads them)")

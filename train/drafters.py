@@ -34,9 +34,20 @@ import numpy as np
 
 from jspec.drafters import dflash, eagle3
 from jspec.drafters.trained import DrafterConfig, Params, draft_logits, save_drafter, verify_head
-from train.datagen import FEATURE_LAYERS, load_shard
+from train.datagen import load_shard
 
-EAGLE_LAYERS = (1, 14, 27)  # low / mid / high, a subset of FEATURE_LAYERS
+
+def data_layers(data: str) -> tuple[int, ...]:
+    """The feature layers recorded in a datagen directory (meta.json)."""
+    meta = Path(data) / "meta.json"
+    if not meta.is_file():
+        raise SystemExit(f"error: {meta} not found (run `python -m train datagen` first)")
+    return tuple(json.loads(meta.read_text())["feature_layers"])
+
+
+def eagle_layers(layers: tuple[int, ...]) -> tuple[int, ...]:
+    """Low / mid / high: the first, middle and last recorded layers (1, 14, 27 by default)."""
+    return (layers[0], layers[len(layers) // 2], layers[-1])
 
 
 # ----------------------------------------------------------------------------- data
@@ -256,10 +267,11 @@ def eval_step(params: Params, frozen: dict[str, jax.Array], batch: dict[str, jax
 
 
 # ----------------------------------------------------------------------------- run
-def drafter_config(args: argparse.Namespace, target_config: Any) -> DrafterConfig:
+def drafter_config(args: argparse.Namespace, target_config: Any,
+                   recorded: tuple[int, ...]) -> DrafterConfig:
     c = target_config
     eagle = args.kind == "eagle3"
-    layers = EAGLE_LAYERS if eagle else FEATURE_LAYERS
+    layers = eagle_layers(recorded) if eagle else recorded
     return DrafterConfig(
         kind=args.kind, hidden_size=c.hidden_size, num_heads=c.num_heads,
         num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, ffn_size=args.ffn,
@@ -317,8 +329,9 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     target = load_model(args.model)
-    cfg = drafter_config(args, target.config)
-    feat_idx = [FEATURE_LAYERS.index(i) for i in cfg.feature_layers]
+    recorded = data_layers(args.data)
+    cfg = drafter_config(args, target.config, recorded)
+    feat_idx = [recorded.index(i) for i in cfg.feature_layers]
     rows = load_rows(args.data, heldout=False, sets=args.sets)
     held = load_rows(args.data, heldout=True, sets=args.sets)
     vocab_path = out / "vocab.npy"
@@ -357,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
         restored = mngr.restore(step, args=ocp.args.StandardRestore(abstract))
         params, opt_state = restored["params"], restored["opt_state"]
         print(f"resumed from the checkpoint at step {step}", flush=True)
-    log = open(out / "log.jsonl", "a")
+    log = open(out / "log.jsonl", "a")  # noqa: SIM115 (closed at the end; flushed per step)
     statics = dict(kind=cfg.kind, cfg=cfg, tx=tx, vat_head=args.vat_head,
                    vat_weight=args.vat_weight)
     bar = tqdm(range(step, args.steps), initial=step, total=args.steps, unit="step",
@@ -383,6 +396,7 @@ def run(args: argparse.Namespace) -> int:
         log.write(json.dumps(rec) + "\n")
         log.flush()
         mngr.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+    log.close()
     mngr.wait_until_finished()
     if mngr.latest_step() != args.steps and args.steps > 0:
         mngr.save(args.steps, args=ocp.args.StandardSave({"params": params,

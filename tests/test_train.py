@@ -1,0 +1,158 @@
+"""`python -m train` on a tiny target: datagen shards, training smoke, SIGKILL + resume, determinism."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_model
+
+import jspec
+from jspec.drafters.trained import load_drafter_file
+from jspec.models.cache import KVCache
+from jspec.models.llama import forward
+from jspec.models.loading import weights_to_hf, write_hf_dir
+from train.datagen import load_shard
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(args, **kw):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "train", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    """A tiny target as an HF directory and datagen shards (train + held-out) made from it."""
+    tmp = tmp_path_factory.mktemp("train")
+    model = tiny_model("llama_tied_gqa2", seed=1)
+    write_hf_dir(tmp / "target", model.config, weights_to_hf(model.config, model.weights))
+    rng = np.random.default_rng(0)
+    prompts = tmp / "tiny.jsonl"
+    prompts.write_text("".join(json.dumps({"ids": rng.integers(2, 97, rng.integers(3, 12))
+                                           .tolist()}) + "\n" for _ in range(12)))
+    for split in ("train", "heldout"):
+        r = _run(["datagen", "--model", str(tmp / "target"), "--out", str(tmp / "data"),
+                  "--prompts-file", str(prompts), "--backend", "jax", "--feature-layers", "0",
+                  "1", "2", "--max-new", "24", "--batch", "4", "--modes", "greedy", "sample",
+                  "--split", split])
+        assert r.returncode == 0, r.stderr[-2000:]
+    return tmp, model
+
+
+def test_datagen_shards_hold_the_targets_own_features(tiny_data):
+    tmp, model = tiny_data
+    files = sorted((tmp / "data").glob("tiny-greedy-*.npz"))
+    assert len(files) == 3 and len(list((tmp / "data").glob("heldout_tiny-*.npz"))) == 6
+    sh = load_shard(files[0])
+    a, b = int(sh.offsets[0]), int(sh.offsets[1])
+    toks, plen = sh.tokens[a:b], int(sh.prompt_lens[0])
+    # Greedy rows are the target's own greedy continuation ...
+    ar = jspec.generate(model, toks[None, :plen], np.asarray([plen]), max_new_tokens=24)
+    n = b - a - plen
+    np.testing.assert_array_equal(np.asarray(ar.tokens)[0, :n], toks[plen:])
+    # ... and the features are the target's hidden states over that sequence (RMS-normalised).
+    out = forward(model.config, model.weights, jnp.asarray(toks[None]),
+                  jnp.arange(len(toks))[None], KVCache.create(model.config, 1, 128),
+                  hidden_layers=(0, 1, 2))
+    h = np.asarray(out.hidden)[:, 0]  # [3, T, D]
+    h = h / np.sqrt(np.mean(h * h, -1, keepdims=True) + 1e-6)
+    f = sh.feats[a:b].astype(np.float32)
+    np.testing.assert_allclose(f[:-1, :3].transpose(1, 0, 2), h[:, :-1], atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(f[:-1, 3], np.asarray(out.final_hidden)[0, :-1], atol=2e-2,
+                               rtol=2e-2)
+
+
+TRAIN = ["--steps", "{steps}", "--ckpt-every", "2", "--eval-every", "4", "--draft-vocab", "64",
+         "--batch-tokens", "128", "--seq-buckets", "64", "--ffn", "32", "--lr", "3e-3",
+         "--warmup", "2"]
+
+
+def _train_args(tmp, kind, out, steps, extra=()):
+    args = [kind, "--model", str(tmp / "target"), "--data", str(tmp / "data"), "--out",
+            str(out)] + [a.format(steps=steps) for a in TRAIN] + list(extra)
+    if kind == "dflash":
+        args += ["--layers", "1", "--block", "4", "--anchors", "4"]
+    else:
+        args += ["--positions", "8"]
+    return args
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_training_smoke_and_loadable(tiny_data, kind):
+    tmp, model = tiny_data
+    out = tmp / f"run-{kind}"
+    r = _run(_train_args(tmp, kind, out, 12, ["--vat"]))
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in log] == list(range(1, 13))
+    assert log[-1]["loss"] < log[0]["loss"]  # it learns something in 12 steps
+    assert "heldout_tau_sim" in log[-1]
+    cfg, params, vocab = load_drafter_file(out / f"{kind}.safetensors")
+    assert cfg.kind == kind and cfg.vat and len(vocab) == 64
+    drafter = jspec.load_drafter(str(out / f"{kind}.safetensors"), target=model)
+    ids = np.asarray([[5, 6, 7, 8]], np.int32)
+    ar = jspec.generate(model, ids, np.asarray([4]), max_new_tokens=12)
+    sp = jspec.generate(model, ids, np.asarray([4]), max_new_tokens=12, drafter=drafter,
+                        length=jspec.FixedLength(3))
+    np.testing.assert_array_equal(sp.tokens, ar.tokens)
+
+
+def test_sigkill_then_resume_equals_uninterrupted_run(tiny_data):
+    tmp, _ = tiny_data
+    steps = 400
+    ref = tmp / "ref"
+    r = _run(_train_args(tmp, "dflash", ref, steps, ["--eval-every", "0"]))
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    out = tmp / "killed"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen([sys.executable, "-m", "train",
+                             *_train_args(tmp, "dflash", out, steps, ["--eval-every", "0"])],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    t0 = time.time()
+    while time.time() - t0 < 300:
+        ck = out / "ckpt"
+        if ck.is_dir() and any(p.name.isdigit() and int(p.name) >= 4 for p in ck.iterdir()):
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "dflash.safetensors").exists(), "finished before the kill: raise steps"
+    done_before = max(int(p.name) for p in (out / "ckpt").iterdir() if p.name.isdigit())
+    assert done_before < steps
+
+    r = _run(_train_args(tmp, "dflash", out, steps, ["--eval-every", "0"]))
+    assert r.returncode == 0, r.stderr[-3000:]
+    resumed_at = int(r.stdout.split("resumed from the checkpoint at step ")[1].split()[0])
+    assert resumed_at >= done_before - 2 and resumed_at >= 4
+    log = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+    # The resumed run starts right after its checkpoint; no step past it is repeated twice
+    # after the restart.
+    after = [x["step"] for x in log][-(steps - resumed_at):]
+    assert after == list(range(resumed_at + 1, steps + 1))
+    _, p_ref, _ = load_drafter_file(ref / "dflash.safetensors")
+    _, p_res, _ = load_drafter_file(out / "dflash.safetensors")
+    for k in p_ref:
+        np.testing.assert_allclose(np.asarray(p_res[k]), np.asarray(p_ref[k]), atol=1e-6)
+
+
+def test_help_documents_every_flag():
+    for cmd in ("datagen", "eagle3", "dflash"):
+        r = _run([cmd, "--help"])
+        assert r.returncode == 0
+        for flag in ("--out", "--seed"):
+            assert flag in r.stdout
+        lines = [ln for ln in r.stdout.splitlines() if ln.strip().startswith("--")]
+        assert lines
