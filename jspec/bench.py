@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.errors import JspecError
+
 BENCH_PROMPT = ("Write a Python function that checks whether a string is a palindrome, "
                 "then explain how it works.")
 
@@ -162,13 +164,22 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
     lengths = np.asarray([len(e) for e in enc], np.int32)
     from jspec.verify import parse_verifier  # noqa: PLC0415
 
-    drafters = [d for d in args.drafters.split(",") if d]
     ks = [int(k) for k in args.ks.split(",")]
+    # "name@K1/K2" gives a drafter its own speculation lengths (e.g. DFlash's block - 1).
+    drafter_ks: dict[str, list[int]] = {}
+    for spec in filter(None, args.drafters.split(",")):
+        name, _, own = spec.partition("@")
+        try:
+            drafter_ks[name] = [int(x) for x in own.split("/")] if own else ks
+        except ValueError as e:
+            raise JspecError(f"bad drafter lengths in {spec!r}: use name@K or name@K1/K2") from e
+    drafters = list(drafter_ks)
     temps = [float(t) for t in args.temperatures.split(",")]
     verifiers = [v for v in args.verifiers.split(";") if v]
     parsed = {v: parse_verifier(v) for v in verifiers}
     configs = [(t, None, 0, "lossless") for t in temps]
-    configs += [(t, d, k, v) for t in temps for d in drafters for k in ks for v in verifiers
+    configs += [(t, d, k, v) for t in temps for d in drafters for k in drafter_ks[d]
+                for v in verifiers
                 if t == 0 or v == "lossless"]  # relaxed verifiers here are greedy-only
     loaded = {d: jspec.load_drafter(d, target=model) for d in drafters}
     outputs: dict[tuple, list[list[int]]] = {}

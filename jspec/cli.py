@@ -81,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-peer", action="store_true", help="skip HF transformers even if installed")
     b.add_argument("--no-bf16", action="store_true", help="skip the bfloat16 rows")
     b.add_argument("--drafters", default="",
-                   help="comma-separated drafters for speculative rows, e.g. ngram,early-exit:6")
+                   help="comma-separated drafters for speculative rows, e.g. "
+                   "ngram,smollm2-135m-eagle3@4/6,smollm2-135m-dflash@7 (@K1/K2: that "
+                   "drafter's own lengths instead of --ks)")
     b.add_argument("--ks", default="2,4,8", help="comma-separated speculation lengths K")
     b.add_argument("--temperatures", default="0,1", help="comma-separated temperatures")
     b.add_argument("--verifiers", default="lossless",

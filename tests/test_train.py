@@ -98,7 +98,7 @@ def test_training_smoke_and_loadable(tiny_data, kind):
     assert [x["step"] for x in log] == list(range(1, 13))
     assert log[-1]["loss"] < log[0]["loss"]  # it learns something in 12 steps
     assert "heldout_tau_sim" in log[-1]
-    cfg, params, vocab = load_drafter_file(out / f"{kind}.safetensors")
+    cfg, _, vocab = load_drafter_file(out / f"{kind}.safetensors")
     assert cfg.kind == kind and cfg.vat and len(vocab) == 64
     drafter = jspec.load_drafter(str(out / f"{kind}.safetensors"), target=model)
     ids = np.asarray([[5, 6, 7, 8]], np.int32)

@@ -15,8 +15,7 @@ import jspec
 from jspec.decode import features, init_state, speculative_round
 from jspec.drafters import dflash, eagle3
 from jspec.drafters.base import DraftContext
-from jspec.drafters.trained import (DrafterConfig, draft_logits, load_drafter_file,
-                                    save_drafter)
+from jspec.drafters.trained import DrafterConfig, draft_logits, load_drafter_file, save_drafter
 from jspec.models.cache import KVCache
 from jspec.models.llama import forward
 from jspec.sampling import Sampling
@@ -181,7 +180,7 @@ def test_state_is_a_pytree_without_recompiles():
     ids, lens = _pad(PROMPTS)
     jspec.generate(model, ids, lens, max_new_tokens=10, drafter=drafter,
                    length=jspec.FixedLength(2))
-    from jspec.decode import _generate  # noqa: PLC0415
+    from jspec.decode import _generate
     before = _generate._cache_size()
     jspec.generate(model, ids, lens, max_new_tokens=10, drafter=dataclasses.replace(
         drafter, params={k: v * 1.01 for k, v in drafter.params.items()}),

@@ -23,7 +23,6 @@ import dataclasses
 import functools
 import glob
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.drafters import dflash, eagle3
-from jspec.drafters.trained import DrafterConfig, Params, draft_logits, save_drafter, verify_head
+from jspec.drafters.trained import (
+    FROZEN,
+    DrafterConfig,
+    Params,
+    draft_logits,
+    save_drafter,
+    verify_head,
+)
 from train.datagen import load_shard
 
 
@@ -84,10 +90,23 @@ def load_rows(data: str, heldout: bool, sets: list[str] | None = None) -> Rows:
     return Rows(toks, plens, feats)
 
 
+def feature_stats(rows: Rows, feat_idx: list[int], seed: int, n: int = 50_000
+                  ) -> dict[str, jax.Array]:
+    """Per (layer, dim) mean and std of the features over a sample of positions."""
+    rng = np.random.default_rng(seed)
+    per = max(1, n // max(len(rows), 1))
+    xs = []
+    for f in rows.feats:
+        idx = rng.choice(len(f) - 1, min(per, len(f) - 1), replace=False)  # last slot is empty
+        xs.append(np.asarray(f[idx][:, feat_idx], np.float32))
+    x = np.concatenate(xs)
+    return {"feat_mean": jnp.asarray(x.mean(0)), "feat_std": jnp.asarray(x.std(0) + 1e-3)}
+
+
 def draft_vocab(rows: Rows, size: int, eos_ids: tuple[int, ...]) -> np.ndarray:
     """The `size` most frequent response tokens (EOS always in), sorted ids."""
     counts = np.zeros((max(int(t.max()) for t in rows.tokens) + 1,), np.int64)
-    for t, p in zip(rows.tokens, rows.plens):
+    for t, p in zip(rows.tokens, rows.plens, strict=True):
         np.add.at(counts, t[p:], 1)
     order = np.argsort(-counts, kind="stable")
     keep = [int(i) for i in order[:size]]
@@ -100,7 +119,7 @@ def draft_vocab(rows: Rows, size: int, eos_ids: tuple[int, ...]) -> np.ndarray:
 def coverage(rows: Rows, vocab: np.ndarray) -> float:
     v = set(vocab.tolist())
     tot = hit = 0
-    for t, p in zip(rows.tokens, rows.plens):
+    for t, p in zip(rows.tokens, rows.plens, strict=True):
         r = t[p:]
         tot += len(r)
         hit += sum(1 for x in r.tolist() if x in v)
@@ -216,6 +235,7 @@ def forward_blocks(kind: str, cfg: DrafterConfig, params: Params, frozen: dict[s
     feats = batch["feats"].astype(jnp.float32)
     final = batch["final"].astype(jnp.float32)
     head, to_draft = frozen["head"], frozen["to_draft"]
+    params = {**params, **frozen["stats"]}
     s = tokens.shape[1]
     if kind == "eagle3":
         steps = cfg.block
@@ -237,7 +257,7 @@ def forward_blocks(kind: str, cfg: DrafterConfig, params: Params, frozen: dict[s
     hard = to_draft[jnp.take_along_axis(tokens, tpc.reshape(b, n * kk), axis=1)].reshape(b, n, kk)
     logits = draft_logits(cfg, params, head, hsel)
     vh = verify_head(params, hsel)
-    flat = lambda x: x.reshape((b * n, kk) + x.shape[3:])  # noqa: E731
+    flat = lambda x: x.reshape((b * n, kk, *x.shape[3:]))  # noqa: E731
     return flat(logits), flat(t_logits), flat(hard), flat(valid), flat(vh)
 
 
@@ -333,7 +353,13 @@ def run(args: argparse.Namespace) -> int:
     cfg = drafter_config(args, target.config, recorded)
     feat_idx = [recorded.index(i) for i in cfg.feature_layers]
     rows = load_rows(args.data, heldout=False, sets=args.sets)
-    held = load_rows(args.data, heldout=True, sets=args.sets)
+    try:
+        held = load_rows(args.data, heldout=True, sets=args.sets)
+    except SystemExit:
+        print("warning: no held-out shards (`python -m train datagen --split heldout`): "
+              "no held-out evaluation", flush=True)
+        held = Rows([], [], [])
+        args.eval_every = 0
     vocab_path = out / "vocab.npy"
     if vocab_path.exists():
         vocab = np.load(vocab_path)
@@ -346,8 +372,9 @@ def run(args: argparse.Namespace) -> int:
     frozen = {"embed": embed, "head": jnp.take(embed, jnp.asarray(vocab), axis=0),
               "to_draft": jnp.asarray(to_draft)}
     plan = batches_for(rows, tuple(args.seq_buckets), args.batch_tokens)
-    held_plan = batches_for(held, tuple(args.seq_buckets), args.batch_tokens)[: args.eval_batches]
-    resp = sum(len(t) - p for t, p in zip(rows.tokens, rows.plens))
+    held_plan = (batches_for(held, tuple(args.seq_buckets), args.batch_tokens)[: args.eval_batches]
+                 if len(held) else [])
+    resp = sum(len(t) - p for t, p in zip(rows.tokens, rows.plens, strict=True))
     print(f"train {cfg.kind}: {len(rows)} sequences ({resp} response tokens), {len(plan)} "
           f"batches/epoch; held-out {len(held)} sequences; draft vocab {len(vocab)} covers "
           f"{coverage(rows, vocab):.1%} of training / {coverage(held, vocab):.1%} of held-out "
@@ -355,6 +382,13 @@ def run(args: argparse.Namespace) -> int:
 
     mod = eagle3 if cfg.kind == "eagle3" else dflash
     params = mod.init_params(cfg, jax.random.key(args.seed))
+    stats = feature_stats(rows, feat_idx, args.seed)
+    frozen["stats"] = stats
+    params = {k: v for k, v in params.items() if k not in FROZEN}
+    # The LM head is the target's: start from a fifth of the target's final norm, so that the
+    # first logits are near-uniform in the target's geometry (the target's full scale on random
+    # hidden states starts at ~20 nats of cross-entropy instead of ~8).
+    params["final_norm"] = 0.2 * jnp.asarray(target.weights.final_norm, jnp.float32)
     warmup = min(args.warmup, max(args.steps - 1, 0))
     sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, max(args.steps, warmup + 1),
                                                end_value=args.lr * 0.05)
@@ -403,7 +437,7 @@ def run(args: argparse.Namespace) -> int:
                                                           "opt_state": opt_state}), force=True)
         mngr.wait_until_finished()
     final = out / f"{args.name or cfg.kind}.safetensors"
-    save_drafter(final, cfg, params, vocab)
+    save_drafter(final, cfg, {**params, **stats}, vocab, dtype="float32" if args.f32 else "bfloat16")
     size = final.stat().st_size / 2**20
     print(f"wrote {final} ({size:.1f} MiB) after {args.steps} steps", flush=True)
     return 0
@@ -422,7 +456,7 @@ def add_parsers(sub: Any) -> None:
         p.add_argument("--sets", nargs="*", default=None,
                        help="prompt sets to train on (default: every set in --data)")
         p.add_argument("--steps", type=int, default=300, help="optimizer steps")
-        p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+        p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
         p.add_argument("--warmup", type=int, default=20, help="linear warmup steps")
         p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
         p.add_argument("--weight-decay", type=float, default=0.01)
@@ -430,7 +464,7 @@ def add_parsers(sub: Any) -> None:
                        help="tokens per batch (rows x sequence bucket)")
         p.add_argument("--seq-buckets", type=int, nargs="+", default=[256, 512],
                        help="padded sequence lengths (longer rows keep their last tokens)")
-        p.add_argument("--draft-vocab", type=int, default=8192,
+        p.add_argument("--draft-vocab", type=int, default=4096,
                        help="draft vocabulary: the most frequent response tokens")
         p.add_argument("--ffn", type=int, default=1536 if kind == "eagle3" else 1024,
                        help="drafter MLP width")
@@ -442,7 +476,7 @@ def add_parsers(sub: Any) -> None:
         else:
             p.add_argument("--layers", type=int, default=2, help="drafter layers")
             p.add_argument("--block", type=int, default=8, help="block size γ (anchor + γ-1)")
-            p.add_argument("--anchors", type=int, default=24,
+            p.add_argument("--anchors", type=int, default=48,
                            help="anchors (blocks) sampled per sequence per step")
         p.add_argument("--vat", action="store_true",
                        help="verification-aware training: head + adaptive weighting")
@@ -454,3 +488,5 @@ def add_parsers(sub: Any) -> None:
                        help="held-out simulated τ every N steps and at the end (0: never)")
         p.add_argument("--eval-batches", type=int, default=8, help="held-out batches per eval")
         p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--f32", action="store_true",
+                       help="write the drafter in float32 (default bfloat16, half the size)")

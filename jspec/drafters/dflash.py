@@ -18,9 +18,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.drafters.base import DraftContext
-from jspec.drafters.trained import (DrafterConfig, Params, Pending, attention, choose, dense,
-                                    draft_logits, init_dense, init_layer, mlp, qkv,
-                                    verify_head)
+from jspec.drafters.trained import (
+    DrafterConfig,
+    Params,
+    Pending,
+    attention,
+    choose,
+    dense,
+    draft_logits,
+    init_dense,
+    init_layer,
+    mlp,
+    qkv,
+    rms_normalize,
+    standardize,
+    verify_head,
+)
 from jspec.models.llama import rms_norm, rope
 from jspec.sampling import Sampling
 
@@ -28,8 +41,11 @@ from jspec.sampling import Sampling
 def init_params(cfg: DrafterConfig, key: jax.Array) -> Params:
     d, f = cfg.hidden_size, len(cfg.feature_layers)
     ks = jax.random.split(key, cfg.num_layers + 2)
-    p = {"fc": init_dense(ks[0], f * d, d), "fc_norm": jnp.ones((d,), jnp.float32),
+    p = {"feat_mean": jnp.zeros((f, d), jnp.float32), "feat_std": jnp.ones((f, d), jnp.float32),
+         "fc": init_dense(ks[0], f * d, d), "fc_norm": jnp.ones((d,), jnp.float32),
          "mask_emb": 0.02 * jax.random.normal(ks[1], (d,), jnp.float32),
+         "slot_emb": 0.02 * jax.random.normal(jax.random.fold_in(ks[1], 1), (cfg.block, d),
+                                              jnp.float32),
          "final_norm": jnp.ones((d,), jnp.float32),
          "vh_w": jnp.zeros((d,), jnp.float32), "vh_b": jnp.zeros((1,), jnp.float32)}
     for i in range(cfg.num_layers):
@@ -41,7 +57,8 @@ def init_params(cfg: DrafterConfig, key: jax.Array) -> Params:
 def context(cfg: DrafterConfig, p: Params, feats: jax.Array) -> jax.Array:
     """c f32[B, T, D] = RMSNorm(fc(concat features)) from f32[B, T, F, D]."""
     b, t, f, d = feats.shape
-    return rms_norm(dense(feats.reshape(b, t, f * d), p["fc"]), p["fc_norm"], cfg.rms_eps)
+    z = standardize(p, feats).reshape(b, t, f * d)
+    return rms_norm(dense(z, p["fc"]), p["fc_norm"], cfg.rms_eps)
 
 
 def context_kv(cfg: DrafterConfig, p: Params, c: jax.Array, positions: jax.Array
@@ -82,10 +99,18 @@ def block_forward(cfg: DrafterConfig, p: Params, x: jax.Array, positions: jax.Ar
 
 
 def block_inputs(p: Params, embed: jax.Array, anchors: jax.Array, gamma: int) -> jax.Array:
-    """f32[B, M*γ, D]: per anchor, [emb(anchor), mask_emb x (γ-1)]. anchors: i32[B, M]."""
+    """f32[B, M*γ, D]: per anchor, [emb(anchor), MASK_1 .. MASK_{γ-1}]. anchors: i32[B, M].
+
+    jspec choice: MASK_k = mask_emb + slot_emb[k] + RMS-normalised emb(anchor), so every slot
+    sees the anchor directly instead of having to find it among hundreds of context keys
+    first; it adds no information the block did not have (the anchor is its first token) and
+    learns faster on a small training budget. (The stall that first looked like this problem
+    was the features' common mode: see `trained.standardize`.)
+    """
     b, m = anchors.shape
-    a = jnp.take(embed, anchors, axis=0).astype(jnp.float32)[:, :, None]  # [B, M, 1, D]
-    msk = jnp.broadcast_to(p["mask_emb"], (b, m, gamma - 1, a.shape[-1]))
+    a = rms_normalize(jnp.take(embed, anchors, axis=0))[:, :, None]  # [B, M, 1, D]
+    slots = p["mask_emb"] + p["slot_emb"][1:gamma]  # [γ-1, D]
+    msk = a + slots[None, None]
     return jnp.concatenate([a, msk], axis=2).reshape(b, m * gamma, -1)
 
 
@@ -148,8 +173,8 @@ class DFlash:
         c = context(self.cfg, self.params, feats)
         rows = jnp.arange(feats.shape[0])[:, None]
         kv = context_kv(self.cfg, self.params, c, positions)
-        ck = tuple(a.at[rows, positions].set(k, mode="drop") for a, (k, _) in zip(ck, kv))
-        cv = tuple(a.at[rows, positions].set(v, mode="drop") for a, (_, v) in zip(cv, kv))
+        ck = tuple(a.at[rows, positions].set(k, mode="drop") for a, (k, _) in zip(ck, kv, strict=True))
+        cv = tuple(a.at[rows, positions].set(v, mode="drop") for a, (_, v) in zip(cv, kv, strict=True))
         return ck, cv
 
     def init_state(self, features: jax.Array, prompt_ids: jax.Array, prompt_lengths: jax.Array,
@@ -159,7 +184,7 @@ class DFlash:
         z = jnp.zeros((b, capacity, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
         pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         ck, cv = self._write((z,) * cfg.num_layers, (z,) * cfg.num_layers, features, pos)
-        pend = jnp.zeros((b, k + 1) + features.shape[2:], jnp.float32)
+        pend = jnp.zeros((b, k + 1, *features.shape[2:]), jnp.float32)
         zk = jnp.zeros((b, k), jnp.float32)
         return DFlashState(ck=ck, cv=cv, pending=Pending(pend, prompt_lengths,
                                                          jnp.zeros((b,), jnp.int32)),
@@ -185,7 +210,7 @@ class DFlash:
         slots = jnp.arange(ck[0].shape[1], dtype=jnp.int32)
         ctx_mask = jnp.broadcast_to(slots[None, None, :] < ctx.cache_len[:, None, None],
                                     (b, gamma, slots.shape[0]))
-        h = block_forward(cfg, p, x, qpos, list(zip(ck, cv)), ctx_mask,
+        h = block_forward(cfg, p, x, qpos, list(zip(ck, cv, strict=True)), ctx_mask,
                           jnp.ones((b, gamma, gamma), bool))
         h = h[:, 1:]  # [B, k, D]
         tokens, q, conf = choose(draft_logits(cfg, p, self.head, h), self.vocab_ids,

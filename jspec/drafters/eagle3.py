@@ -16,9 +16,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.drafters.base import DraftContext
-from jspec.drafters.trained import (DrafterConfig, Params, Pending, attention, choose, dense,
-                                    draft_logits, init_dense, init_layer, mlp, qkv,
-                                    verify_head)
+from jspec.drafters.trained import (
+    DrafterConfig,
+    Params,
+    Pending,
+    attention,
+    choose,
+    dense,
+    draft_logits,
+    init_dense,
+    init_layer,
+    mlp,
+    qkv,
+    standardize,
+    verify_head,
+)
 from jspec.models.llama import rms_norm
 from jspec.sampling import Sampling
 
@@ -26,7 +38,8 @@ from jspec.sampling import Sampling
 def init_params(cfg: DrafterConfig, key: jax.Array) -> Params:
     d, f = cfg.hidden_size, len(cfg.feature_layers)
     k1, k2 = jax.random.split(key)
-    p = {"fc": init_dense(k1, f * d, d), "norm_emb": jnp.ones((d,), jnp.float32),
+    p = {"feat_mean": jnp.zeros((f, d), jnp.float32), "feat_std": jnp.ones((f, d), jnp.float32),
+         "fc": init_dense(k1, f * d, d), "norm_emb": jnp.ones((d,), jnp.float32),
          "norm_feat": jnp.ones((d,), jnp.float32), "final_norm": jnp.ones((d,), jnp.float32),
          "vh_w": jnp.zeros((d,), jnp.float32), "vh_b": jnp.zeros((1,), jnp.float32)}
     p.update(init_layer(k2, cfg, "", 2 * d))
@@ -36,7 +49,7 @@ def init_params(cfg: DrafterConfig, key: jax.Array) -> Params:
 def fuse(p: Params, feats: jax.Array) -> jax.Array:
     """g f32[B, T, D] from rms-normalised features f32[B, T, F, D]."""
     b, t, f, d = feats.shape
-    return dense(feats.reshape(b, t, f * d), p["fc"])
+    return dense(standardize(p, feats).reshape(b, t, f * d), p["fc"])
 
 
 def _layer_in(cfg: DrafterConfig, p: Params, emb: jax.Array, g: jax.Array) -> jax.Array:
@@ -155,7 +168,7 @@ class Eagle3:
         emb = jnp.take(self.embed, nxt, axis=0).astype(jnp.float32)
         _, ck, cv = step(cfg, self.params, emb, fuse(self.params, features), pos, ck, cv)
         last = jnp.take_along_axis(features, (prompt_lengths - 1)[:, None, None, None], axis=1)
-        pend = jnp.zeros((b, k + 1) + features.shape[2:], jnp.float32).at[:, :1].set(last)
+        pend = jnp.zeros((b, k + 1, *features.shape[2:]), jnp.float32).at[:, :1].set(last)
         z = jnp.zeros((b, k), jnp.float32)
         return Eagle3State(ck=ck, cv=cv, pending=Pending(pend, prompt_lengths - 1,
                                                          jnp.ones((b,), jnp.int32)),
@@ -170,7 +183,7 @@ class Eagle3:
                 key: jax.Array) -> tuple[jax.Array, jax.Array | None, Eagle3State]:
         cfg, p = self.cfg, self.params
         pend = state.pending
-        b, m = pend.feats.shape[:2]
+        m = pend.feats.shape[1]
         pos = pend.start[:, None] + jnp.arange(m, dtype=jnp.int32)[None]  # [B, M]
         nxt = jnp.take_along_axis(ctx.seq, jnp.minimum(pos + 1, ctx.seq.shape[1] - 1), axis=1)
         emb = jnp.take(self.embed, nxt, axis=0).astype(jnp.float32)

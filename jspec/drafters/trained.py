@@ -69,6 +69,20 @@ def rms_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
+FROZEN = ("feat_mean", "feat_std")  # parameters set from data statistics, not trained
+
+
+def standardize(p: Params, feats: jax.Array) -> jax.Array:
+    """Per layer and dimension z-scores of rms-normalised features f32[..., F, D].
+
+    The target's residual stream has a few huge, nearly constant dimensions; without centring,
+    every context value shares one large common component, and attention over hundreds of
+    context positions adds that constant to every drafted slot (DFlash then stalled at the
+    unigram solution: it could not memorise a single batch).
+    """
+    return (feats - p["feat_mean"]) / p["feat_std"]
+
+
 def dense(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum("...d,df->...f", x, w, preferred_element_type=jnp.float32)
 
@@ -134,7 +148,7 @@ def verify_head(p: Params, h: jax.Array) -> jax.Array:
 
 def to_full_vocab(logits_d: jax.Array, vocab_ids: jax.Array, v: int) -> jax.Array:
     """f32[..., V]: draft-vocabulary logits scattered into the target vocabulary (NEG elsewhere)."""
-    full = jnp.full(logits_d.shape[:-1] + (v,), NEG, jnp.float32)
+    full = jnp.full((*logits_d.shape[:-1], v), NEG, jnp.float32)
     return full.at[..., vocab_ids].set(logits_d)
 
 
@@ -196,7 +210,7 @@ def load_drafter_file(path: str | Path) -> tuple[DrafterConfig, Params, np.ndarr
                 raise JspecError(f"{path} is not a jspec drafter file (no config metadata)")
             cfg = DrafterConfig.from_json(meta["jspec_drafter"])
             params, vocab = {}, None
-            for k in f.keys():
+            for k in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 a = f.get_tensor(k)
                 if k == "vocab_ids":
                     vocab = a
