@@ -59,6 +59,15 @@ def tiny_model(name: str = "llama_tied_gqa2", seed: int = 0) -> Model:
     return Model(config=cfg, weights=jax.tree_util.tree_map_with_path(fill, abstract), name=name)
 
 
+def pad_prompts(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded i32[B, P] ids and i32[B] lengths."""
+    width = max(map(len, prompts))
+    ids = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = p
+    return ids, np.asarray([len(p) for p in prompts], np.int32)
+
+
 @pytest.fixture(scope="session")
 def real_model() -> Model:
     """SmolLM2-135M-Instruct, converted once into $JSPEC_CACHE."""

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import pad_prompts as _pad
 from conftest import tiny_model
 
 import jspec
@@ -44,14 +45,6 @@ def tiny_drafter(kind: str, cut: float = 0.0):
 
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12, 13, 14, 15], [20, 21], [30, 31, 30, 31, 30]]
-
-
-def _pad(prompts):
-    width = max(map(len, prompts))
-    ids = np.zeros((len(prompts), width), np.int32)
-    for i, p in enumerate(prompts):
-        ids[i, : len(p)] = p
-    return ids, np.asarray([len(p) for p in prompts], np.int32)
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
@@ -158,8 +151,7 @@ def test_save_load_roundtrip(tmp_path, kind):
 
 def test_bad_trained_drafter_inputs(tmp_path):
     model, drafter = tiny_drafter("dflash")
-    with pytest.raises(jspec.JspecError):
-        drafter.propose  # noqa: B018
+    with pytest.raises(jspec.JspecError, match="block"):
         ids, lens = _pad(PROMPTS)
         jspec.generate(model, ids, lens, max_new_tokens=8, drafter=drafter,
                        length=jspec.FixedLength(drafter.cfg.block))  # k + 1 > block

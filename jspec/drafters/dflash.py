@@ -15,7 +15,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jspec.drafters.base import DraftContext
 from jspec.drafters.trained import (
@@ -31,9 +30,11 @@ from jspec.drafters.trained import (
     mlp,
     qkv,
     rms_normalize,
+    shared_inputs,
     standardize,
     verify_head,
 )
+from jspec.errors import JspecError
 from jspec.models.llama import rms_norm, rope
 from jspec.sampling import Sampling
 
@@ -210,7 +211,7 @@ class DFlash:
                 key: jax.Array) -> tuple[jax.Array, jax.Array | None, DFlashState]:
         cfg, p = self.cfg, self.params
         if k + 1 > cfg.block:
-            raise ValueError(f"DFlash drafter trained with block {cfg.block}: k <= "
+            raise JspecError(f"DFlash drafter trained with block {cfg.block}: k <= "
                              f"{cfg.block - 1}, got {k}")
         pend = state.pending
         b, m = pend.feats.shape[:2]
@@ -238,9 +239,5 @@ class DFlash:
 
 def make(cfg: DrafterConfig, params: Params, vocab_ids: Any, target_weights: Any,
          cut: float = 0.0, name: str = "dflash") -> DFlash:
-    vocab = jnp.asarray(np.asarray(vocab_ids), jnp.int32)
-    embed = target_weights.embed
-    head = (jnp.take(embed, vocab, axis=0) if target_weights.lm_head is None
-            else target_weights.lm_head.T[vocab]).astype(jnp.float32)
-    return DFlash(params=params, embed=embed, head=head, vocab_ids=vocab, cfg=cfg, cut=cut,
-                  name=name)
+    return DFlash(**shared_inputs(vocab_ids, target_weights), params=params, cfg=cfg, cut=cut,
+                 name=name)

@@ -28,6 +28,7 @@ from jspec.drafters.trained import (
     init_layer,
     mlp,
     qkv,
+    shared_inputs,
     standardize,
     verify_head,
 )
@@ -213,9 +214,5 @@ class Eagle3:
 
 def make(cfg: DrafterConfig, params: Params, vocab_ids: Any, target_weights: Any,
          cut: float = 0.0, name: str = "eagle3") -> Eagle3:
-    vocab = jnp.asarray(np.asarray(vocab_ids), jnp.int32)
-    embed = target_weights.embed
-    head = (jnp.take(embed, vocab, axis=0) if target_weights.lm_head is None
-            else target_weights.lm_head.T[vocab]).astype(jnp.float32)
-    return Eagle3(params=params, embed=embed, head=head, vocab_ids=vocab, cfg=cfg, cut=cut,
-                  name=name)
+    return Eagle3(**shared_inputs(vocab_ids, target_weights), params=params, cfg=cfg, cut=cut,
+                 name=name)

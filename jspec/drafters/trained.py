@@ -219,13 +219,22 @@ def load_drafter_file(path: str | Path) -> tuple[DrafterConfig, Params, np.ndarr
                         jnp.asarray(a.view(jnp.bfloat16), jnp.float32))
                 else:
                     params[k] = jnp.asarray(a, jnp.float32)
-    except (OSError, ValueError) as e:
-        if isinstance(e, JspecError):
-            raise
+    except JspecError:
+        raise
+    except Exception as e:  # safetensors raises its own error type for corrupt files
         raise JspecError(f"cannot read drafter file {path}: {e}") from e
     if vocab is None:
         raise JspecError(f"{path} has no vocab_ids")
     return cfg, params, vocab
+
+
+def shared_inputs(vocab_ids: Any, target_weights: Any) -> dict[str, jax.Array]:
+    """The target's embedding, its LM-head rows of the draft vocabulary, the vocabulary ids."""
+    vocab = jnp.asarray(np.asarray(vocab_ids), jnp.int32)
+    embed = target_weights.embed
+    head = (jnp.take(embed, vocab, axis=0) if target_weights.lm_head is None
+            else target_weights.lm_head.T[vocab]).astype(jnp.float32)
+    return {"embed": embed, "head": head, "vocab_ids": vocab}
 
 
 def param_count(params: Params) -> int:
