@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.decode import _is_eos, bucket_length
+from jspec.drafters.trained import rms_normalize
 from jspec.models.cache import KVCache
 from jspec.models.config import ModelConfig
 from jspec.models.llama import Weights, forward, lm_logits
@@ -63,12 +64,6 @@ SPLITS = {
     "alpaca": ("alpaca:0-100", "alpaca:100-400"),
 }
 MODES = {"greedy": Sampling(), "sample": Sampling(temperature=1.0)}
-
-
-def rms_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """x / RMS(x) over the last axis (no weight), in float32."""
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
 def _torch_generate(hf: Any, prompts: list[list[int]], sampling: Sampling, max_new: int,
