@@ -215,8 +215,11 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Any, state
             pos = cache.lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
             out = forward(config, weights, toks, pos, cache, hidden_layers=fl)
         with jax.named_scope("accept"):
+            kw = {}
+            if getattr(verifier, "needs_hidden", False):  # DIVERSED context-level head
+                kw["hidden"] = (dstate.hidden, out.final_hidden[:, :k])
             n, nxt, vstate = verifier.verify(vstate, k_verify, draft, q, out.logits, sampling,
-                                             valid)
+                                             valid, **kw)
         return n, nxt, out.cache, vstate, feats_of(out, k + 1)
 
     def verify_none(cache, vstate):
@@ -227,6 +230,8 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Any, state
                           hidden_layers=fl)
         with jax.named_scope("accept"):
             nxt = sample(k_verify, out.logits[:, 0], sampling)
+        if hasattr(verifier, "plain_step"):  # keep the verifier's token count in step
+            vstate = verifier.plain_step(vstate)
         return jnp.zeros_like(nxt), nxt, out.cache, vstate, feats_of(out, 1)
 
     if drafter_may_abstain(drafter):
@@ -309,14 +314,16 @@ def init_state(config: ModelConfig, weights: Weights, drafter: Any, prompt_ids: 
     return state
 
 
-_STATIC = ("config", "sampling", "max_new_tokens", "capacity", "eos_ids", "k", "verifier")
+# The verifier is a pytree argument (a learned DIVERSED head's arrays are leaves); Lossless and
+# ASD are registered static pytrees, so their settings still key the compilation cache.
+_STATIC = ("config", "sampling", "max_new_tokens", "capacity", "eos_ids", "k")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _generate(weights: Weights, drafter: Any, prompt_ids: jax.Array, prompt_lengths: jax.Array,
-              key: jax.Array, *, config: ModelConfig, sampling: Sampling, max_new_tokens: int,
-              capacity: int, eos_ids: tuple[int, ...], k: int, verifier: Any
-              ) -> GenerateOutput:
+def _generate(weights: Weights, drafter: Any, verifier: Any, prompt_ids: jax.Array,
+              prompt_lengths: jax.Array, key: jax.Array, *, config: ModelConfig,
+              sampling: Sampling, max_new_tokens: int, capacity: int,
+              eos_ids: tuple[int, ...], k: int) -> GenerateOutput:
     state = init_state(config, weights, drafter, prompt_ids, prompt_lengths, key,
                        sampling=sampling, max_new_tokens=max_new_tokens, capacity=capacity,
                        eos_ids=eos_ids, k=k, verifier=verifier)
@@ -328,18 +335,17 @@ def _generate(weights: Weights, drafter: Any, prompt_ids: jax.Array, prompt_leng
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _init_jit(weights: Weights, drafter: Any, prompt_ids: jax.Array, prompt_lengths: jax.Array,
-              key: jax.Array, **statics: Any) -> SpecState:
+def _init_jit(weights: Weights, drafter: Any, verifier: Any, prompt_ids: jax.Array,
+              prompt_lengths: jax.Array, key: jax.Array, **statics: Any) -> SpecState:
     return init_state(statics["config"], weights, drafter, prompt_ids, prompt_lengths, key,
-                      **{k: v for k, v in statics.items() if k != "config"})
+                      verifier=verifier, **{k: v for k, v in statics.items() if k != "config"})
 
 
-@functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "k", "rounds",
-                                             "verifier"),
+@functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "k", "rounds"),
                    donate_argnames=("state",))
-def _chunk_jit(weights: Weights, drafter: Any, state: SpecState, *, config: ModelConfig,
-               sampling: Sampling, eos_ids: tuple[int, ...], k: int, rounds: int,
-               verifier: Any) -> SpecState:
+def _chunk_jit(weights: Weights, drafter: Any, verifier: Any, state: SpecState, *,
+               config: ModelConfig, sampling: Sampling, eos_ids: tuple[int, ...], k: int,
+               rounds: int) -> SpecState:
     round_fn = make_round(config, weights, drafter, k=k, sampling=sampling, eos_ids=eos_ids,
                           verifier=verifier)
     return run_rounds(round_fn, state, rounds)
@@ -431,13 +437,14 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, draft
     ids = pad_to_bucket(ids)
     key = jax.random.key(0) if key is None else key
     statics = _statics(model, ids, drafter, sampling, max_new_tokens, verifier, length, capacity)
-    return _generate(model.weights, drafter, ids, lengths, key, **statics)
+    verifier = statics.pop("verifier")
+    return _generate(model.weights, drafter, verifier, ids, lengths, key, **statics)
 
 
 def _statics(model: Model, ids: jax.Array, drafter: Any, sampling: Sampling, max_new_tokens: int,
              verifier: Any, length: Any, capacity: int | None) -> dict[str, Any]:
     from jspec.length import FixedLength  # noqa: PLC0415
-    from jspec.verify import ASD, Lossless  # noqa: PLC0415
+    from jspec.verify import ASD, Diversed, Lossless  # noqa: PLC0415
 
     k = 0
     if drafter is not None:
@@ -445,10 +452,12 @@ def _statics(model: Model, ids: jax.Array, drafter: Any, sampling: Sampling, max
         verifier = Lossless() if verifier is None else verifier
         if not isinstance(length, FixedLength):
             raise JspecError(f"length must be a jspec.FixedLength, got {type(length).__name__}")
-        if not isinstance(verifier, (Lossless, ASD)):
+        if not isinstance(verifier, (Lossless, ASD, Diversed)):
             raise JspecError(f"unsupported verifier {type(verifier).__name__} "
-                             "(jspec.Lossless or jspec.ASD)")
+                             "(jspec.Lossless, jspec.ASD or jspec.Diversed)")
         verifier.check(sampling)
+        if isinstance(verifier, Diversed) and verifier.head is not None:
+            verifier.head.check(model.config, getattr(drafter, "hidden_size", None))
         k = length.k
     elif verifier is not None or length is not None:
         raise JspecError("verifier= and length= need a drafter")
@@ -473,13 +482,14 @@ def stream(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, drafter
     ids = pad_to_bucket(ids)
     key = jax.random.key(0) if key is None else key
     statics = _statics(model, ids, drafter, sampling, max_new_tokens, verifier, length, None)
-    state = _init_jit(model.weights, drafter, ids, lengths, key, **statics)
-    loop_statics = {k: statics[k] for k in ("config", "sampling", "eos_ids", "k", "verifier")}
+    verifier = statics.pop("verifier")
+    state = _init_jit(model.weights, drafter, verifier, ids, lengths, key, **statics)
+    loop_statics = {k: statics[k] for k in ("config", "sampling", "eos_ids", "k")}
     while True:
         tokens, num_new, done, st = jax.device_get(
             (state.tokens, state.num_new, state.done, state.stats))
         yield tokens, num_new, st, bool(done.all())
         if done.all():
             return
-        state = _chunk_jit(model.weights, drafter, state, rounds=rounds_per_dispatch,
+        state = _chunk_jit(model.weights, drafter, verifier, state, rounds=rounds_per_dispatch,
                            **loop_statics)
