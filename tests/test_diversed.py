@@ -85,7 +85,7 @@ def test_lower_weight_accepts_more_greedy():
     ns = []
     for w in (1.0, 0.7, 0.3):
         ver = Diversed(weight=w)
-        n, nxt, st = ver.verify(ver.init_state(b, 8), jax.random.key(0), draft, None, logits,
+        n, nxt, _ = ver.verify(ver.init_state(b, 8), jax.random.key(0), draft, None, logits,
                                 Sampling(), valid)
         ns.append(float(np.mean(n)))
         # The correction token is argmax ν: the target's argmax (one-hot q at a rejected x).
