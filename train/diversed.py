@@ -27,6 +27,7 @@ log.jsonl; `<out>/diversed.safetensors` is the head (`--verifier diversed:head=P
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -59,13 +60,17 @@ def loss_fn(head: Any, batch: dict[str, jax.Array], reg: float) -> tuple[jax.Arr
                   "sim_accept": 1.0 - accept_term}
 
 
+def labelled(row: dict[str, Any], reward: str) -> bool:
+    return reward == "task" and ("test" in row or "answer" in row)
+
+
 def rewards(rows: list[dict[str, Any]], outs: list[list[int]], refs: list[list[int] | None],
-            decode: Any) -> list[float]:
+            decode: Any, reward: str = "task") -> list[float]:
     from jspec.tasks import agreement, score  # noqa: PLC0415
 
     r = []
     for row, out, ref in zip(rows, outs, refs, strict=True):
-        s = score(row, decode(out)) if ("test" in row or "answer" in row) else None
+        s = score(row, decode(out)) if labelled(row, reward) else None
         r.append(s if s is not None else agreement(out, ref or []))
     return r
 
@@ -105,28 +110,36 @@ def run(args: argparse.Namespace) -> int:
     width = bucket_length(max(map(len, enc)))
     head = DiversedHead.init(args.level, getattr(drafter, "hidden_size", 0),
                              model.config.hidden_size, model=args.model, task=task)
+    head0 = head
+    # Trained leaves as a dict (a scalar head has no kernel; Orbax cannot save empty arrays).
+    params = {"bias": head.bias, **({"kernel": head.kernel} if args.level == "context" else {})}
+
+    def head_of(p):
+        return dataclasses.replace(head0, bias=p["bias"], kernel=p.get("kernel", head0.kernel))
+
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(args.lr))
-    opt_state = tx.init(head)
+    opt_state = tx.init(params)
     baseline = jnp.zeros((), jnp.float32)
     mngr = ocp.CheckpointManager(out / "ckpt", options=ocp.CheckpointManagerOptions(
         max_to_keep=2, save_interval_steps=args.ckpt_every))
     step = 0
     if mngr.latest_step() is not None:
         step = int(mngr.latest_step())
-        abstract = {"head": head, "opt_state": opt_state, "baseline": baseline}
+        abstract = {"params": params, "opt_state": opt_state, "baseline": baseline}
         restored = mngr.restore(step, args=ocp.args.StandardRestore(abstract))
-        head, opt_state, baseline = (restored["head"], restored["opt_state"],
-                                     restored["baseline"])
+        params, opt_state, baseline = (restored["params"], restored["opt_state"],
+                                       restored["baseline"])
         print(f"resumed from the checkpoint at step {step}", flush=True)
     sampling = jspec.Sampling(temperature=args.temperature)
     length = jspec.FixedLength(args.k)
     refs: dict[int, list[int]] = {}  # target-only greedy outputs for unlabeled prompts
 
     @jax.jit
-    def update(head, opt_state, batch):
-        (loss, m), g = jax.value_and_grad(loss_fn, has_aux=True)(head, batch, args.reg)
-        upd, opt_state = tx.update(g, opt_state, head)
-        return optax.apply_updates(head, upd), opt_state, {"loss": loss, **m}
+    def update(params, opt_state, batch):
+        (loss, m), g = jax.value_and_grad(
+            lambda p: loss_fn(head_of(p), batch, args.reg), has_aux=True)(params)
+        upd, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, upd), opt_state, {"loss": loss, **m}
 
     log = open(out / "log.jsonl", "a")  # noqa: SIM115 (closed at the end; flushed per step)
     bar = tqdm(range(step, args.steps), initial=step, total=args.steps, unit="step",
@@ -140,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
             ids[j, : len(enc[i])] = enc[i]
         lens = np.asarray([len(enc[i]) for i in idx], np.int32)
         for i in idx:  # references only where a prompt has no label
-            if i not in refs and "test" not in rows[i] and "answer" not in rows[i]:
+            if i not in refs and not labelled(rows[i], args.reward):
                 one = np.zeros((1, width), np.int32)
                 one[0, : len(enc[i])] = enc[i]
                 r = jspec.generate(model, one, np.asarray([len(enc[i])]),
@@ -148,12 +161,12 @@ def run(args: argparse.Namespace) -> int:
                 refs[i] = [int(t) for t in np.asarray(r.tokens[0, : int(r.lengths[0])])]
         res = jspec.generate(model, ids, lens, drafter=drafter, length=length, sampling=sampling,
                              max_new_tokens=args.max_new, key=jax.random.key(args.seed * 7919 + step),
-                             verifier=Diversed(head=head, record=True))
+                             verifier=Diversed(head=head_of(params), record=True))
         lengths = np.asarray(res.lengths)
         toks = np.asarray(res.tokens)
         outs = [[int(t) for t in toks[j, : lengths[j]]] for j in range(len(idx))]
         rew = np.asarray(rewards([rows[i] for i in idx], outs, [refs.get(i) for i in idx],
-                                 model.decode), np.float32)
+                                 model.decode, args.reward), np.float32)
         st = res.verifier
         n = st.p_y.shape[1]
         mask = st.relaxed & (jnp.arange(n)[None] < res.lengths[:, None])
@@ -161,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         adv = jnp.asarray(rew) - (baseline if step > 0 else float(rew.mean()))
         batch = {"p_y": st.p_y, "q_y": st.q_y, "tv": st.tv, "mask": mask, "feats": st.feats,
                  "adv": adv}
-        head, opt_state, m = update(head, opt_state, batch)
+        params, opt_state, m = update(params, opt_state, batch)
         baseline = (float(rew.mean()) if step == 0 else
                     args.baseline_decay * baseline + (1 - args.baseline_decay) * float(rew.mean()))
         baseline = jnp.asarray(baseline, jnp.float32)
@@ -175,15 +188,15 @@ def run(args: argparse.Namespace) -> int:
         log.write(json.dumps(rec) + "\n")
         log.flush()
         mngr.save(step + 1, args=ocp.args.StandardSave(
-            {"head": head, "opt_state": opt_state, "baseline": baseline}))
+            {"params": params, "opt_state": opt_state, "baseline": baseline}))
     log.close()
     mngr.wait_until_finished()
     if args.steps > 0 and mngr.latest_step() != args.steps:
         mngr.save(args.steps, args=ocp.args.StandardSave(
-            {"head": head, "opt_state": opt_state, "baseline": baseline}), force=True)
+            {"params": params, "opt_state": opt_state, "baseline": baseline}), force=True)
         mngr.wait_until_finished()
     final = out / "diversed.safetensors"
-    head.save(final)
+    head_of(params).save(final)
     print(f"wrote {final} ({args.level} head, task {task}) after {args.steps} steps", flush=True)
     return 0
 
@@ -202,6 +215,10 @@ def add_parser(sub: Any) -> None:
                         "other sets are rewarded by agreement with the target's own output)")
     p.add_argument("--prompts-file", help="JSONL prompts instead of --prompts: 'text' (or token "
                                           "'ids'), optional 'answer' (math) or HumanEval fields")
+    p.add_argument("--reward", choices=("task", "agreement"), default="task",
+                   help="task: the prompt's label where it has one (exact answer, unit tests), "
+                        "else agreement; agreement: ROUGE-L with the target-only greedy output "
+                        "for every prompt (for targets whose task score sits at the floor)")
     p.add_argument("--out", default="runs/diversed", help="run directory (checkpoints, log.jsonl, "
                                                           "diversed.safetensors)")
     p.add_argument("--steps", type=int, default=30, help="rollout batches")
@@ -209,7 +226,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--k", type=int, default=4, help="drafted tokens per round in the rollouts")
     p.add_argument("--max-new", type=int, default=96, help="new tokens per rollout")
     p.add_argument("--temperature", type=float, default=1.0, help="rollout temperature (> 0)")
-    p.add_argument("--lr", type=float, default=0.05, help="Adam learning rate")
+    p.add_argument("--lr", type=float, default=0.02, help="Adam learning rate")
     p.add_argument("--reg", type=float, default=0.05,
                    help="weight of the acceptance regulariser relative to the reward loss")
     p.add_argument("--baseline-decay", type=float, default=0.9,

@@ -68,8 +68,18 @@ class DiversedHead:
             return jnp.broadcast_to(jax.nn.softmax(self.bias)[1], shape)
         if feats is None:
             raise JspecError("a context-level DIVERSED head needs hidden states")
-        logits = jnp.einsum("...d,dc->...c", feats, self.kernel) + self.bias
+        logits = jnp.einsum("...d,dc->...c", self.normalize(feats), self.kernel) + self.bias
         return jax.nn.softmax(logits, axis=-1)[..., 1]
+
+    def normalize(self, feats: jax.Array) -> jax.Array:
+        """Each part (drafter, target) scaled to unit RMS, the whole by 1/sqrt(d_in): logits
+        stay O(1) whatever the hidden states' scale, so one learning rate fits every model."""
+        hd, ht = feats[..., : self.d_draft], feats[..., self.d_draft:]
+
+        def unit(x):
+            return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+
+        return jnp.concatenate([unit(hd), unit(ht)], axis=-1) / np.sqrt(feats.shape[-1])
 
     def save(self, path: str | Path) -> None:
         from safetensors.numpy import save_file  # noqa: PLC0415
