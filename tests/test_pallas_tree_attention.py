@@ -4,6 +4,8 @@ so any read of them fails the comparison."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 
 import jax
@@ -176,3 +178,111 @@ def test_kernel_sweep_slow(b, t, h, kv, hd, s, bk, tree, dtype):
     np.testing.assert_allclose(np.asarray(tree_attention(*args, par, block_kv=bk), np.float32),
                                np.asarray(tree_attention_reference(*args, par), np.float32),
                                atol=TOL[dtype], rtol=TOL[dtype])
+
+
+# --------------------------------------------------------------------------------------------
+# Wired into the model: forward(config.attention_impl="pallas") vs "xla"
+# --------------------------------------------------------------------------------------------
+
+def _prefilled(model, lengths, capacity=32, seed=0):
+    """A cache holding random prompts of the given lengths (through the XLA path)."""
+    from jspec.models import KVCache, forward
+
+    cfg = model.config.replace(attention_impl="xla")
+    b, p = len(lengths), max(lengths)
+    ids = jnp.asarray(np.random.default_rng(seed).integers(2, cfg.vocab_size, (b, p)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    out = forward(cfg, model.weights, ids, pos, KVCache.create(cfg, b, capacity))
+    return out.cache.with_lengths(jnp.asarray(lengths, jnp.int32))
+
+
+@pytest.mark.parametrize("mask_kind", ["chain", "tree_shared", "tree_per_row"])
+def test_verification_forward_pallas_equals_xla(mask_kind):
+    from conftest import tiny_model
+
+    from jspec.models import Chain, Tree, forward
+
+    model = tiny_model("llama_tied_gqa2", seed=3)
+    cache = _prefilled(model, [5, 1, 9])
+    t = 5
+    toks = jnp.asarray(np.random.default_rng(1).integers(2, 97, (3, t)), jnp.int32)
+    pos = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    if mask_kind == "chain":
+        mask = Chain()
+    elif mask_kind == "tree_shared":
+        mask = Tree(jnp.asarray([-1, 0, 0, 1, 2], jnp.int32))
+    else:
+        mask = Tree(jnp.asarray([[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 3], [-1, -1, 0, 1, 0]], jnp.int32))
+        pos = cache.lengths[:, None] + jnp.asarray([[0, 1, 1, 2, 2], [0, 1, 2, 3, 4], [0, 0, 1, 2, 1]])
+    parents = mask.parents if isinstance(mask, Tree) else None
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def fwd(cfg, weights, toks, pos, cache, parents):
+        m = Chain() if parents is None else Tree(parents)
+        return forward(cfg, weights, toks, pos, cache, m, hidden_layers=(1, 2))
+
+    outs = {impl: fwd(model.config.replace(attention_impl=impl), model.weights, toks, pos, cache,
+                      parents) for impl in ("xla", "pallas")}
+    np.testing.assert_allclose(np.asarray(outs["pallas"].logits), np.asarray(outs["xla"].logits),
+                               atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(outs["pallas"].hidden), np.asarray(outs["xla"].hidden),
+                               atol=1e-4, rtol=1e-4)
+    # Layer 1 writes identical K/V; later layers' inputs differ by float rounding only.
+    for a, b in zip(outs["pallas"].cache.k, outs["xla"].cache.k, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def test_pallas_forward_ignores_junk_beyond_the_committed_prefix():
+    from conftest import tiny_model
+
+    from jspec.models import Chain, forward
+
+    model = tiny_model("qwen3_qknorm", seed=2)
+    cfg = model.config.replace(attention_impl="pallas")
+    cache = _prefilled(model, [6, 3])
+    t = 3
+    toks = jnp.asarray([[5, 6, 7], [8, 9, 10]], jnp.int32)
+    pos = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    slot = jnp.arange(cache.capacity)[None, :, None, None]
+    junk = slot >= cache.lengths[:, None, None, None]
+    dirty = dataclasses.replace(cache, k=tuple(jnp.where(junk, jnp.nan, a) for a in cache.k),
+                                v=tuple(jnp.where(junk, jnp.nan, a) for a in cache.v))
+    clean_out = forward(cfg, model.weights, toks, pos, cache, Chain()).logits
+    dirty_out = forward(cfg, model.weights, toks, pos, dirty, Chain()).logits
+    assert not np.isnan(np.asarray(dirty_out)).any()
+    np.testing.assert_allclose(np.asarray(dirty_out), np.asarray(clean_out), atol=1e-5)
+
+
+def test_greedy_generate_identical_with_pallas_attention():
+    from conftest import pad_prompts, tiny_model
+
+    import jspec
+
+    model = tiny_model("llama_tied_gqa2", seed=1)
+    ids, lengths = pad_prompts([[5, 6, 7, 5, 6, 7, 5, 6], [20, 21], [30, 31, 30]])
+    drafter = jspec.NGram(n_max=3)
+    runs = {impl: jspec.generate(model, ids, lengths, max_new_tokens=12, drafter=drafter,
+                                 length=jspec.FixedLength(3), attention_impl=impl)
+            for impl in ("xla", "pallas")}
+    np.testing.assert_array_equal(np.asarray(runs["pallas"].tokens), np.asarray(runs["xla"].tokens))
+    np.testing.assert_array_equal(np.asarray(runs["pallas"].stats.accepted),
+                                  np.asarray(runs["xla"].stats.accepted))
+    assert (np.asarray(runs["xla"].lengths) > 1).all()
+
+
+def test_attention_impl_resolution_and_validation():
+    from jspec.errors import JspecError
+    from jspec.models import ModelConfig
+    from jspec.models.config import resolve_attention_impl
+
+    assert resolve_attention_impl("auto", "cpu") == "xla"
+    assert resolve_attention_impl("auto", "tpu") == "pallas"
+    assert resolve_attention_impl("xla", "tpu") == "xla"
+    assert resolve_attention_impl("pallas", "cpu") == "pallas"
+    assert ModelConfig().attention_impl == "auto"
+    assert ModelConfig().resolved_attention_impl() == ("pallas" if jax.default_backend() == "tpu"
+                                                        else "xla")
+    with pytest.raises(JspecError, match="attention_impl"):
+        ModelConfig(attention_impl="triton")
+    with pytest.raises(JspecError, match="attention_impl"):
+        resolve_attention_impl("cuda")
