@@ -7,9 +7,17 @@ A verifier is a frozen, hashable config object with
 """
 
 from jspec.verify.asd import ASD, ASDState
-from jspec.verify.lossless import Lossless, leading_true, verify_chain
+from jspec.verify.lossless import (
+    ACCEPTANCE_IMPLS,
+    Lossless,
+    fused_acceptance_supports,
+    leading_true,
+    verify_chain,
+    verify_chain_fused,
+)
 
-__all__ = ["ASD", "ASDState", "Lossless", "leading_true", "parse_verifier", "verify_chain"]
+__all__ = ["ACCEPTANCE_IMPLS", "ASD", "ASDState", "Lossless", "fused_acceptance_supports", "leading_true",
+           "parse_verifier", "verify_chain", "verify_chain_fused"]
 
 
 def parse_verifier(spec: str) -> Lossless | ASD:
