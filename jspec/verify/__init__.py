@@ -17,7 +17,7 @@ from jspec.verify.lossless import (
 )
 
 __all__ = ["ACCEPTANCE_IMPLS", "ASD", "ASDState", "Lossless", "fused_acceptance_supports", "leading_true",
-           "parse_verifier", "verify_chain", "verify_chain_fused"]
+           "parse_verifier", "verify_chain", "verify_chain_fused", "with_acceptance_impl"]
 
 
 def parse_verifier(spec: str) -> Lossless | ASD:
@@ -39,3 +39,19 @@ def parse_verifier(spec: str) -> Lossless | ASD:
                 raise JspecError(f"bad ASD option {part!r}: not a number") from e
         return ASD(**kw)
     raise JspecError(f"unknown verifier {spec!r} (lossless, asd[:budget=B,gate=G,cap=M])")
+
+
+def with_acceptance_impl(verifier: Lossless | ASD, impl: str) -> Lossless | ASD:
+    """The verifier with acceptance `impl` ("xla" | "pallas"; the CLI's --acceptance-impl).
+
+    Only `Lossless` has a kernel path: "pallas" with ASD is an error.
+    """
+    from jspec.errors import JspecError  # noqa: PLC0415
+
+    if impl not in ACCEPTANCE_IMPLS:
+        raise JspecError(f"acceptance impl must be one of {ACCEPTANCE_IMPLS}, got {impl!r}")
+    if isinstance(verifier, Lossless):
+        return Lossless(acceptance_impl=impl)
+    if impl != "xla":
+        raise JspecError(f"--acceptance-impl {impl} applies to the lossless verifier only")
+    return verifier
