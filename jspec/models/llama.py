@@ -258,7 +258,7 @@ def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions:
         use_pallas=use_pallas,
         mask=None if use_pallas else attention_mask(cache.lengths, t, cache.capacity, mask),
         lengths=cache.lengths,
-        parents=mask.parents if isinstance(mask, Tree) else None)
+        parents=jnp.asarray(mask.parents, jnp.int32) if isinstance(mask, Tree) else None)
     write_slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
     want = tuple(sorted(set(hidden_layers)))
     for i in want:
