@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pallas_kernels import bench
 
 
+@pytest.mark.slow
 def test_bench_runs_and_reports_correctness(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "attention_configs", lambda small: [
         dict(b=2, t=4, h=4, kv=2, hd=16, prefix=20, s=32, dtype="float32")])

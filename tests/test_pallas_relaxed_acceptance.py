@@ -96,9 +96,15 @@ def test_kernel_with_tpu_interpret_semantics():
         _assert_same(out, relaxed_acceptance_reference(z, x, q, valid, 0.5, u, g, temperature=temp))
 
 
-@pytest.mark.parametrize("sampling", [jspec.Sampling(temperature=1.0), jspec.Sampling(temperature=0.7),
-                                      jspec.Sampling()], ids=["T1", "T0.7", "greedy"])
-@pytest.mark.parametrize("one_hot", [False, True], ids=["q", "onehot"])
+_T1, _T07, _GREEDY = jspec.Sampling(temperature=1.0), jspec.Sampling(temperature=0.7), jspec.Sampling()
+
+
+@pytest.mark.parametrize("sampling,one_hot", [
+    pytest.param(_T1, False, id="T1-q"), pytest.param(_T07, True, id="T0.7-onehot"),
+    pytest.param(_GREEDY, False, id="greedy-q"),
+    pytest.param(_T1, True, id="T1-onehot", marks=pytest.mark.slow),
+    pytest.param(_T07, False, id="T0.7-q", marks=pytest.mark.slow),
+    pytest.param(_GREEDY, True, id="greedy-onehot", marks=pytest.mark.slow)])
 def test_fused_verifier_equals_verify_chain(sampling, one_hot):
     """w = 1 through the kernel with verify_chain's own keys: identical (n, next token) per row."""
     b, k, v = 256, 4, 97
