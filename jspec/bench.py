@@ -94,7 +94,7 @@ def baseline(args: argparse.Namespace) -> dict[str, Any]:
     from jspec import peer  # noqa: PLC0415
     from jspec.models import registry  # noqa: PLC0415
 
-    model = jspec.load_model(args.model)
+    model = jspec.load_model(args.model).with_attention_impl(args.attention_impl)
     prompt = model.encode(BENCH_PROMPT)
     ks = (1, 2, 4, 8, 16)
     res: dict[str, Any] = {"machine": platform.processor() or platform.machine(),
@@ -154,7 +154,7 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
         from tqdm import tqdm  # noqa: PLC0415
     except ImportError:  # pragma: no cover
         tqdm = None
-    model = jspec.load_model(args.model)
+    model = jspec.load_model(args.model).with_attention_impl(args.attention_impl)
     rows = load_prompt_set(args.prompts)
     enc = [model.encode(r["text"]) for r in rows]
     width = bucket_length(max(map(len, enc)))  # one width for all prompts: one compile per config
@@ -162,7 +162,7 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
     for i, e in enumerate(enc):
         padded[i, : len(e)] = e
     lengths = np.asarray([len(e) for e in enc], np.int32)
-    from jspec.verify import parse_verifier  # noqa: PLC0415
+    from jspec.verify import Lossless, parse_verifier, with_acceptance_impl  # noqa: PLC0415
 
     ks = [int(k) for k in args.ks.split(",")]
     # "name@K1/K2" gives a drafter its own speculation lengths (e.g. DFlash's block - 1).
@@ -177,6 +177,9 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
     temps = [float(t) for t in args.temperatures.split(",")]
     verifiers = [v for v in args.verifiers.split(";") if v]
     parsed = {v: parse_verifier(v) for v in verifiers}
+    # --acceptance-impl applies to the lossless rows (ASD has no kernel path).
+    parsed = {v: with_acceptance_impl(p, args.acceptance_impl) if isinstance(p, Lossless) else p
+              for v, p in parsed.items()}
     configs = [(t, None, 0, "lossless") for t in temps]
 
     def supports(v: str, t: float) -> bool:  # ASD is greedy-only: skip it at T > 0

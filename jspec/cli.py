@@ -21,6 +21,17 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default 0)")
 
 
+def _add_impl_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--attention-impl", choices=("auto", "xla", "pallas"), default="auto",
+                   help="target attention: auto (default: the Pallas kernel on TPU, XLA elsewhere), "
+                        "xla, or pallas (pallas_kernels.tree_attention; interpret mode on CPU: "
+                        "correct, slow)")
+    p.add_argument("--acceptance-impl", choices=("xla", "pallas"), default="xla",
+                   help="lossless verifier's acceptance: xla (default) or pallas (the fused "
+                        "pallas_kernels.relaxed_acceptance kernel; temperature only, top-k/top-p "
+                        "use xla; interpret mode on CPU)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m jspec", description="jspec: JAX-native speculative decoding.")
@@ -56,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "head = a learned weight from `python -m train diversed`). ASD and "
                         "DIVERSED are approximate: the output may differ from the target's")
     _add_sampling_args(g)
+    _add_impl_args(g)
 
     c = sub.add_parser("calibrate-asd", help="calibrate ASD's regret gate on real prompts",
                        description="Run strict greedy speculative decoding and set ASD's gate to "
@@ -99,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt set and range, e.g. humaneval:8 or humaneval:100-164")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--json-out", type=Path, help="also write the results as JSON to this file")
+    _add_impl_args(b)
     return parser
 
 
@@ -140,13 +153,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = jspec.Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     length = _length(args)
     prompts = _read_prompts(args)
-    model = jspec.load_model(args.model, dtype=args.dtype)
-    from jspec.verify import parse_verifier  # noqa: PLC0415
+    from jspec.verify import parse_verifier, with_acceptance_impl  # noqa: PLC0415
 
-    verifier = parse_verifier(args.verifier)
+    if not args.drafter and (length is not None or args.verifier != "lossless"
+                             or args.acceptance_impl != "xla"):
+        raise JspecError("--k/--length/--verifier/--acceptance-impl need --drafter")
+    verifier = with_acceptance_impl(parse_verifier(args.verifier), args.acceptance_impl)
+    model = jspec.load_model(args.model, dtype=args.dtype).with_attention_impl(args.attention_impl)
     drafter = jspec.load_drafter(args.drafter, target=model) if args.drafter else None
-    if drafter is None and (length is not None or args.verifier != "lossless"):
-        raise JspecError("--k/--length/--verifier need --drafter")
     spec = dict(drafter=drafter, length=length, verifier=verifier if drafter else None)
     key = jax.random.key(args.seed)
     for i, text in enumerate(prompts):

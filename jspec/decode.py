@@ -414,8 +414,8 @@ def pad_to_bucket(ids: jax.Array) -> jax.Array:
 
 def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, drafter: Any = None,
              max_new_tokens: int = 128, sampling: Sampling = Sampling(), verifier: Any = None,
-             length: Any = None, key: jax.Array | None = None, capacity: int | None = None
-             ) -> GenerateOutput:
+             length: Any = None, key: jax.Array | None = None, capacity: int | None = None,
+             attention_impl: str | None = None) -> GenerateOutput:
     """Generate up to `max_new_tokens` tokens per prompt; works inside a user's `jax.jit`.
 
     Args:
@@ -427,12 +427,16 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, draft
       sampling: `Sampling(temperature, top_k, top_p)`; temperature 0 is greedy.
       key: PRNG key for sampling (default `jax.random.key(0)`).
       capacity: static KV-cache slots (default: prompt bucket + max_new_tokens, rounded up).
+      attention_impl: "auto" | "xla" | "pallas": overrides `model.config.attention_impl` for the
+        target's forward passes (a drafter keeps its own config).
     Returns:
       GenerateOutput: tokens i32[B, max_new_tokens] (-1 after each row's end), lengths i32[B],
       stats.
     """
     if not isinstance(sampling, Sampling):
         raise JspecError(f"sampling must be a jspec.Sampling, got {type(sampling).__name__}")
+    if attention_impl is not None:
+        model = model.with_attention_impl(attention_impl)
     ids, lengths = validate_prompts(model, prompt_ids, prompt_lengths, max_new_tokens, capacity)
     ids = pad_to_bucket(ids)
     key = jax.random.key(0) if key is None else key
@@ -471,13 +475,16 @@ def _statics(model: Model, ids: jax.Array, drafter: Any, sampling: Sampling, max
 
 def stream(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, drafter: Any = None,
            max_new_tokens: int = 128, sampling: Sampling = Sampling(), verifier: Any = None,
-           length: Any = None, key: jax.Array | None = None, rounds_per_dispatch: int = 8):
+           length: Any = None, key: jax.Array | None = None, rounds_per_dispatch: int = 8,
+           attention_impl: str | None = None):
     """Yield (tokens i32[B, N], num_new i32[B], stats, all_done) after each dispatch.
 
     The same rounds as `generate`, `rounds_per_dispatch` of them per device dispatch; the host
     reads the state once per dispatch (not per token), which lets a terminal show text as it
-    is produced.
+    is produced. `attention_impl` as in `generate`.
     """
+    if attention_impl is not None:
+        model = model.with_attention_impl(attention_impl)
     ids, lengths = validate_prompts(model, prompt_ids, prompt_lengths, max_new_tokens, capacity=None)
     ids = pad_to_bucket(ids)
     key = jax.random.key(0) if key is None else key

@@ -1,7 +1,11 @@
-"""Pallas kernels for jspec's hot spots (tree-verification attention, fused relaxed acceptance).
+"""Pallas kernels for jspec's hot spots, each with a same-signature pure-jnp reference.
 
-No kernel has landed yet: jspec runs on its pure-JAX paths (`jspec.models.llama`,
-`jspec.verify`). Each kernel will arrive as a subpackage with a same-signature jnp reference.
+- `pallas_kernels.tree_attention`: verification attention of T tree nodes to a shared cached
+  prefix plus their ancestors (cascade form, online softmax).
+- `pallas_kernels.relaxed_acceptance`: fused lossless / DIVERSED acceptance over vocabulary tiles.
+- `python -m pallas_kernels.bench`: correctness and timing against the references.
+
+Written for TPU (Mosaic); on CPU they run in interpret mode (`interpret=True`).
 """
 
 __all__: list[str] = []

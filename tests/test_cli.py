@@ -22,12 +22,28 @@ from jspec.cli import main
     (["generate", "--prompt", "hi", "--model", "/nonexistent/model.gguf"], "not found"),
     (["generate", "--prompt", "hi", "--k", "4"], "--drafter"),
     (["generate", "--prompts-file", "/nonexistent.jsonl"], "not found"),
+    (["generate", "--prompt", "hi", "--acceptance-impl", "pallas"], "--drafter"),
+    (["generate", "--prompt", "hi", "--drafter", "ngram", "--verifier", "asd",
+      "--acceptance-impl", "pallas"], "lossless verifier only"),
 ])
 def test_bad_input_is_a_clear_error(argv, match, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and match in err
     assert "Traceback" not in err
+
+
+def test_impl_flags_parse():
+    from jspec.cli import build_parser
+
+    for cmd in (["generate", "--prompt", "hi"], ["bench", "--baseline"]):
+        args = build_parser().parse_args(cmd)
+        assert (args.attention_impl, args.acceptance_impl) == ("auto", "xla")
+        args = build_parser().parse_args([*cmd, "--attention-impl", "pallas",
+                                          "--acceptance-impl", "pallas"])
+        assert (args.attention_impl, args.acceptance_impl) == ("pallas", "pallas")
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*cmd, "--attention-impl", "triton"])
 
 
 def test_bad_prompts_file(tmp_path, capsys):

@@ -191,14 +191,22 @@ def _thinned(tokens: np.ndarray, positions: int) -> np.ndarray:
     return pos * 1000 + tokens[rows, pos]
 
 
-@pytest.mark.parametrize("drafter_name", ["early-exit:1", "ngram"])
-@pytest.mark.parametrize("sampling", [jspec.Sampling(temperature=1.0),
-                                      jspec.Sampling(temperature=0.7, top_p=0.9)])
-def test_distribution_equivalence_tiny_model(sampling, drafter_name):
+_T1, _T07P = jspec.Sampling(temperature=1.0), jspec.Sampling(temperature=0.7, top_p=0.9)
+
+
+@pytest.mark.parametrize("sampling,drafter_name,acceptance_impl", [
+    (_T1, "early-exit:1", "xla"), (_T1, "ngram", "xla"),
+    (_T07P, "early-exit:1", "xla"), (_T07P, "ngram", "xla"),
+    # Through the fused Pallas acceptance kernel (interpret mode on CPU; temperature only).
+    (_T1, "early-exit:1", "pallas"),
+    pytest.param(_T1, "ngram", "pallas", marks=pytest.mark.slow),
+], ids=lambda v: v if isinstance(v, str) else f"T{v.temperature}-p{v.top_p}")
+def test_distribution_equivalence_tiny_model(sampling, drafter_name, acceptance_impl):
     """Speculative vs autoregressive samples on a tiny model: 10,240 independent rows per side,
     one token each from drafted positions 1..5 (binned by (position, token)), seeded; a two-sample
     χ² test (top 40 bins + other) must give p > 0.01. The first drafted position is also compared
-    to its exact distribution (χ² goodness of fit, p > 0.01)."""
+    to its exact distribution (χ² goodness of fit, p > 0.01). `acceptance_impl="pallas"` runs the
+    verifier through `pallas_kernels.relaxed_acceptance` (same sizes and thresholds)."""
     model = tiny_model("llama_tied_gqa2", seed=5)
     # A flatter output distribution than the default tiny model's, so that many tokens matter.
     weights = dataclasses.replace(model.weights, embed=model.weights.embed * 0.3)
@@ -208,7 +216,8 @@ def test_distribution_equivalence_tiny_model(sampling, drafter_name):
     ids = np.tile(np.asarray([[5, 6, 7, 5, 6, 7, 5, 6]], np.int32), (rows, 1))
     ar = jspec.generate(model, ids, max_new_tokens=n_new, sampling=sampling, key=jax.random.key(1))
     sp = jspec.generate(model, ids, max_new_tokens=n_new, sampling=sampling, drafter=drafter,
-                        length=jspec.FixedLength(4), key=jax.random.key(2))
+                        length=jspec.FixedLength(4), key=jax.random.key(2),
+                        verifier=jspec.Lossless(acceptance_impl=acceptance_impl))
     # Drafts are accepted, not bypassed (the n-gram drafter, one-hot q, on a repetitive prompt).
     assert float(np.mean(sp.stats.mean_accepted())) > (1.3 if drafter_name != "ngram" else 1.005)
     a = _thinned(np.asarray(ar.tokens), 5)

@@ -6,12 +6,14 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jspec.errors import JspecError
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+ATTENTION_IMPLS = ("auto", "xla", "pallas")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -32,6 +34,9 @@ class ModelConfig:
       bos_id: beginning-of-sequence token id (or -1). eos_ids: ids that end a sequence.
       dtype: "float32" or "bfloat16": the weights' and activations' dtype. Norms, softmax and
         logits are always float32.
+      attention_impl: "xla" (masked attention over the whole cache buffer), "pallas" (the
+        `pallas_kernels.tree_attention` kernel for verify/decode steps; interpret mode on CPU)
+        or "auto" (pallas on TPU, xla elsewhere; see `resolve_attention_impl`).
     """
 
     arch: str = "llama"
@@ -52,6 +57,7 @@ class ModelConfig:
     bos_id: int = -1
     eos_ids: tuple[int, ...] = ()
     dtype: str = "float32"
+    attention_impl: str = "auto"
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:
@@ -67,6 +73,8 @@ class ModelConfig:
             raise JspecError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.dtype not in _DTYPES:
             raise JspecError(f"dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise JspecError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         if self.rope_scaling is not None:
             kind = dict(self.rope_scaling).get("rope_type", dict(self.rope_scaling).get("type"))
             if kind not in ("default", "linear", "llama3"):
@@ -79,6 +87,10 @@ class ModelConfig:
     @property
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    def resolved_attention_impl(self) -> str:
+        """"xla" or "pallas": `attention_impl` with "auto" resolved for the default backend."""
+        return resolve_attention_impl(self.attention_impl)
 
     def replace(self, **kw: Any) -> ModelConfig:
         return dataclasses.replace(self, **kw)
@@ -105,3 +117,25 @@ class ModelConfig:
             is_mid = (wavelen <= low_wl) & (wavelen >= high_wl)
             inv = np.where(is_mid, mid, scaled)
         return inv.astype(np.float32)
+
+
+# Backends where "auto" picks the Pallas kernel. The issue asks for GPU too, but the kernel is
+# written for TPU (Mosaic, scalar prefetch) and has never been lowered on a GPU: add "gpu" here
+# once `python -m pallas_kernels.bench` has passed on one.
+AUTO_PALLAS_BACKENDS = ("tpu",)
+
+
+def resolve_attention_impl(impl: str, backend: str | None = None) -> str:
+    """"xla" or "pallas" for `impl` in ("auto", "xla", "pallas").
+
+    Args:
+      impl: the requested implementation.
+      backend: "cpu" | "gpu" | "tpu"; default `jax.default_backend()`.
+    Returns:
+      "pallas" for "pallas", and for "auto" on a backend in AUTO_PALLAS_BACKENDS; else "xla".
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise JspecError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    if impl != "auto":
+        return impl
+    return "pallas" if (backend or jax.default_backend()) in AUTO_PALLAS_BACKENDS else "xla"

@@ -20,6 +20,11 @@ from jspec.models.config import ModelConfig
 # A large finite negative instead of -inf: a fully masked row then stays finite (no NaN).
 MASK_VALUE = -1e30
 
+# attention_impl="pallas" runs the tree-attention kernel for steps of at most this many new
+# tokens per row (decode and verification); longer blocks (prefill) take the XLA path: the
+# kernel holds all T·G queries of a KV head and a [T·G, T] tree-score tile in one block.
+PALLAS_MAX_NEW_TOKENS = 128
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -133,8 +138,36 @@ def attention_mask(cache_lengths: jax.Array, num_new: int, capacity: int,
     return committed | (in_new & allowed)
 
 
+def _attention_xla(q: jax.Array, ck: jax.Array, cv: jax.Array, mask: jax.Array,
+                   group: int) -> jax.Array:
+    """dtype[B, T, H, hd]: masked attention of q [B, T, H, hd] over the whole cache buffer.
+
+    mask: bool[B, T, S] from `attention_mask`.
+    """
+    b, t, h, hd = q.shape
+    kv = ck.shape[2]
+    qg = q.reshape(b, t, kv, group, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, ck, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / np.sqrt(hd))
+    scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1)
+    attn = jnp.einsum("bkgts,bskd->btkgd", probs.astype(cv.dtype), cv,
+                      preferred_element_type=jnp.float32).astype(q.dtype)
+    return attn.reshape(b, t, h, hd)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Attend:
+    """How a layer attends: the XLA path's dense mask, or the Pallas kernel's inputs."""
+
+    use_pallas: bool
+    mask: jax.Array | None  # bool[B, T, S] (XLA path)
+    lengths: jax.Array  # i32[B] committed prefix per row (Pallas path)
+    parents: jax.Array | None  # i32[T] | i32[B, T] | None (chain) (Pallas path)
+
+
 def _layer(config: ModelConfig, inv_freq: jax.Array, x: jax.Array, positions: jax.Array,
-           mask: jax.Array, write_slots: jax.Array, ck: jax.Array, cv: jax.Array,
+           attend: _Attend, write_slots: jax.Array, ck: jax.Array, cv: jax.Array,
            lw: LayerWeights) -> tuple[jax.Array, jax.Array, jax.Array]:
     b, t, _ = x.shape
     h, kv, hd = config.num_heads, config.num_kv_heads, config.head_dim
@@ -159,13 +192,15 @@ def _layer(config: ModelConfig, inv_freq: jax.Array, x: jax.Array, positions: ja
     ck = ck.at[rows, write_slots].set(k, mode="drop")  # [B, S, KV, hd]
     cv = cv.at[rows, write_slots].set(v, mode="drop")
 
-    qg = q.reshape(b, t, kv, g, hd)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, ck, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / np.sqrt(hd))
-    scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1)
-    attn = jnp.einsum("bkgts,bskd->btkgd", probs.astype(cv.dtype), cv,
-                      preferred_element_type=jnp.float32).astype(x.dtype)
+    if attend.use_pallas:
+        from pallas_kernels.tree_attention import tree_attention  # noqa: PLC0415
+
+        # Cascade form: the committed prefix (slots < lengths, unchanged by the write above)
+        # is read from the cache, the T new tokens from k/v directly.
+        attn = tree_attention(q, ck, cv, attend.lengths, k.astype(ck.dtype), v.astype(cv.dtype),
+                              attend.parents)
+    else:
+        attn = _attention_xla(q, ck, cv, attend.mask, g)
     x = x + _dot(attn.reshape(b, t, h * hd), lw.wo)
 
     y = rms_norm(x, lw.mlp_norm, config.rms_eps)
@@ -207,6 +242,10 @@ def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions:
       compute_logits: static; skip the LM head when False.
       num_layers: static; run only the first N layers (early-exit drafting), default all.
 
+    `config.attention_impl` picks the attention: "xla" (dense mask over the whole cache) or
+    "pallas" (`pallas_kernels.tree_attention`, cascade prefix + tree; interpret mode on CPU) for
+    steps of at most PALLAS_MAX_NEW_TOKENS new tokens; "auto" is pallas on TPU, else xla.
+
     Returns:
       ForwardOutput with logits f32[B, T, V], the cache (lengths unchanged), hidden states.
     """
@@ -214,7 +253,12 @@ def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions:
     n_layers = config.num_layers if num_layers is None else num_layers
     inv_freq = jnp.asarray(config.inv_freq())
     x = jnp.take(weights.embed, tokens, axis=0).astype(config.jnp_dtype)  # [B, T, D]
-    full_mask = attention_mask(cache.lengths, t, cache.capacity, mask)
+    use_pallas = config.resolved_attention_impl() == "pallas" and t <= PALLAS_MAX_NEW_TOKENS
+    attend = _Attend(
+        use_pallas=use_pallas,
+        mask=None if use_pallas else attention_mask(cache.lengths, t, cache.capacity, mask),
+        lengths=cache.lengths,
+        parents=jnp.asarray(mask.parents, jnp.int32) if isinstance(mask, Tree) else None)
     write_slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
     want = tuple(sorted(set(hidden_layers)))
     for i in want:
@@ -228,7 +272,7 @@ def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions:
     new_k, new_v = list(cache.k), list(cache.v)
     for i, lw in enumerate(weights.layers[:n_layers]):
         with jax.named_scope(f"layer_{i}"):
-            x, new_k[i], new_v[i] = _layer(config, inv_freq, x, positions, full_mask, write_slots,
+            x, new_k[i], new_v[i] = _layer(config, inv_freq, x, positions, attend, write_slots,
                                            new_k[i], new_v[i], lw)
         if want:
             states.append(x)

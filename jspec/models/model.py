@@ -38,6 +38,10 @@ class Model:
         return dataclasses.replace(self, config=config,
                                    weights=cast_weights(self.weights, config.jnp_dtype))
 
+    def with_attention_impl(self, impl: str) -> Model:
+        """The same model with `config.attention_impl = impl` ("auto" | "xla" | "pallas")."""
+        return dataclasses.replace(self, config=self.config.replace(attention_impl=impl))
+
     @property
     def eos_ids(self) -> tuple[int, ...]:
         return self.config.eos_ids

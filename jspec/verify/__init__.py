@@ -10,10 +10,18 @@ A verifier with `needs_hidden` also receives `hidden=(drafter hidden, target hid
 
 from jspec.verify.asd import ASD, ASDState
 from jspec.verify.diversed import Diversed, DiversedHead, DiversedState
-from jspec.verify.lossless import Lossless, leading_true, verify_chain
+from jspec.verify.lossless import (
+    ACCEPTANCE_IMPLS,
+    Lossless,
+    fused_acceptance_supports,
+    leading_true,
+    verify_chain,
+    verify_chain_fused,
+)
 
-__all__ = ["ASD", "ASDState", "Diversed", "DiversedHead", "DiversedState", "Lossless",
-           "leading_true", "parse_verifier", "verify_chain"]
+__all__ = ["ACCEPTANCE_IMPLS", "ASD", "ASDState", "Diversed", "DiversedHead", "DiversedState",
+           "Lossless", "fused_acceptance_supports", "leading_true", "parse_verifier",
+           "verify_chain", "verify_chain_fused", "with_acceptance_impl"]
 
 USAGE = "lossless, asd[:budget=B,gate=G,cap=M], diversed[:w=W | :head=PATH]"
 
@@ -50,3 +58,20 @@ def parse_verifier(spec: str) -> Lossless | ASD | Diversed:
             return Diversed(head=DiversedHead.load(val))
         raise JspecError(f"bad DIVERSED option {args!r}: expected w=W or head=PATH")
     raise JspecError(f"unknown verifier {spec!r} ({USAGE})")
+
+
+def with_acceptance_impl(verifier: Lossless | ASD | Diversed, impl: str
+                         ) -> Lossless | ASD | Diversed:
+    """The verifier with acceptance `impl` ("xla" | "pallas"; the CLI's --acceptance-impl).
+
+    Only `Lossless` has a kernel path: "pallas" with ASD or DIVERSED is an error.
+    """
+    from jspec.errors import JspecError  # noqa: PLC0415
+
+    if impl not in ACCEPTANCE_IMPLS:
+        raise JspecError(f"acceptance impl must be one of {ACCEPTANCE_IMPLS}, got {impl!r}")
+    if isinstance(verifier, Lossless):
+        return Lossless(acceptance_impl=impl)
+    if impl != "xla":
+        raise JspecError(f"--acceptance-impl {impl} applies to the lossless verifier only")
+    return verifier

@@ -7,16 +7,32 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jspec.errors import JspecError
 from jspec.sampling import Sampling, process_logits, sample_from_probs
 
 # Below this residual mass the residual is numerically empty: sample from p instead.
 RESIDUAL_EPS = 1e-8
 
+ACCEPTANCE_IMPLS = ("xla", "pallas")
+
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class Lossless:
-    """The default verifier: output distributed exactly as the target's (greedy: identical)."""
+    """The default verifier: output distributed exactly as the target's (greedy: identical).
+
+    acceptance_impl: "xla" (`verify_chain`, jnp over full [B, K+1, V] arrays) or "pallas"
+      (`verify_chain_fused`: the `pallas_kernels.relaxed_acceptance` kernel, interpret mode on
+      CPU, with the same random numbers). The kernel applies temperature only: with top-k or
+      top-p the verifier uses the xla path (a sort over the vocabulary is not fused).
+    """
+
+    acceptance_impl: str = "xla"
+
+    def __post_init__(self) -> None:
+        if self.acceptance_impl not in ACCEPTANCE_IMPLS:
+            raise JspecError(f"acceptance_impl must be one of {ACCEPTANCE_IMPLS}, "
+                             f"got {self.acceptance_impl!r}")
 
     def check(self, sampling: Sampling) -> None:
         """Any sampling configuration is fine."""
@@ -27,8 +43,47 @@ class Lossless:
     def verify(self, vstate: None, key: jax.Array, draft: jax.Array, q: jax.Array | None,
                target_logits: jax.Array, sampling: Sampling, valid: jax.Array
                ) -> tuple[jax.Array, jax.Array, None]:
-        n, nxt = verify_chain(key, draft, q, target_logits, sampling, valid)
+        if self.acceptance_impl == "pallas" and fused_acceptance_supports(sampling):
+            n, nxt = verify_chain_fused(key, draft, q, target_logits, sampling, valid)
+        else:
+            n, nxt = verify_chain(key, draft, q, target_logits, sampling, valid)
         return n, nxt, vstate
+
+
+def fused_acceptance_supports(sampling: Sampling) -> bool:
+    """Whether the fused kernel covers this sampling mode (temperature only, or greedy)."""
+    return sampling.top_k == 0 and sampling.top_p == 1.0
+
+
+def verify_chain_fused(key: jax.Array, draft: jax.Array, q: jax.Array | None,
+                       target_logits: jax.Array, sampling: Sampling,
+                       valid: jax.Array | None = None, w: jax.Array | float | None = None
+                       ) -> tuple[jax.Array, jax.Array]:
+    """`verify_chain` through the fused Pallas kernel, with the same random numbers.
+
+    The uniforms and the Gumbel noise are drawn from the same keys `verify_chain` uses
+    (`jax.random.categorical` is Gumbel-max), so both return the same tokens up to float
+    rounding at exact ties.
+
+    Args:
+      key, draft, q, target_logits, sampling, valid: as in `verify_chain` (no top-k/top-p).
+      w: DIVERSED weight on the target (f32 scalar or f32[B]); None is lossless.
+    Returns:
+      (n_accepted i32[B], next_token i32[B]).
+    """
+    from pallas_kernels.relaxed_acceptance import relaxed_acceptance  # noqa: PLC0415
+
+    if not fused_acceptance_supports(sampling):
+        raise JspecError("the fused acceptance kernel supports temperature only (no top-k/top-p)")
+    b, k = draft.shape
+    u = g = None
+    if not sampling.greedy:
+        k_u, k_s = jax.random.split(key)
+        u = jax.random.uniform(k_u, (b, k))
+        g = jax.random.gumbel(k_s, (b, target_logits.shape[-1]), jnp.float32)
+    out = relaxed_acceptance(target_logits, draft, q, valid, w, u, g,
+                             temperature=float(sampling.temperature))
+    return out.n_accepted, out.next_token
 
 
 def leading_true(mask: jax.Array) -> jax.Array:

@@ -1,0 +1,17 @@
+"""Fused relaxed (lossless / DIVERSED) acceptance over vocabulary tiles: Pallas kernel + jnp reference."""
+
+from pallas_kernels.relaxed_acceptance.kernel import (
+    RESIDUAL_EPS,
+    Acceptance,
+    relaxed_acceptance,
+    relaxed_acceptance_reference,
+)
+from pallas_kernels.relaxed_acceptance.tuned_block_sizes import (
+    INTERPRET_BLOCK_B,
+    TUNED_BLOCK_V,
+    pick_block_b,
+    pick_block_v,
+)
+
+__all__ = ["INTERPRET_BLOCK_B", "RESIDUAL_EPS", "TUNED_BLOCK_V", "Acceptance", "pick_block_b", "pick_block_v",
+           "relaxed_acceptance", "relaxed_acceptance_reference"]
