@@ -24,7 +24,7 @@ from jspec.cli import main
     (["generate", "--prompts-file", "/nonexistent.jsonl"], "not found"),
     (["generate", "--prompt", "hi", "--acceptance-impl", "pallas"], "--drafter"),
     (["generate", "--prompt", "hi", "--drafter", "ngram", "--verifier", "asd",
-      "--acceptance-impl", "pallas"], "lossless verifier only"),
+      "--acceptance-impl", "pallas"], "lossless and DIVERSED verifiers only"),
 ])
 def test_bad_input_is_a_clear_error(argv, match, capsys):
     assert main(argv) == 2

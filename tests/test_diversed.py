@@ -225,3 +225,24 @@ def test_diversed_on_the_real_model(real_model):
         tv = float(np.sum(out.verifier.tv_sum) / np.sum(out.verifier.positions))
         assert (tv == 0.0) if w == 1.0 else (tv > 0.0)
     assert rates[0.5] > rates[1.0] + 0.05, rates
+
+
+def test_fused_acceptance_kernel_path_matches_xla():
+    """Diversed(acceptance_impl="pallas") at T=1 (interpret mode here) returns exactly the XLA
+    path's n and tokens given the same key, for a static w and a scalar head."""
+    rng = np.random.default_rng(3)
+    b, k, v = 8, 3, 256
+    logits = jnp.asarray(rng.normal(size=(b, k + 1, v)), jnp.float32)
+    q = jax.nn.softmax(jnp.asarray(rng.normal(size=(b, k, v)), jnp.float32), axis=-1)
+    draft = jnp.asarray(rng.integers(0, v, size=(b, k)), jnp.int32)
+    valid = jnp.ones((b, k), bool)
+    s = Sampling(temperature=1.0)
+    scalar = DiversedHead(kernel=jnp.zeros((0, 2)), bias=jnp.asarray([0.0, 0.4]), kind="scalar")
+    for ver in (Diversed(weight=0.6), Diversed(head=scalar)):
+        fused = Diversed(head=ver.head, weight=ver.weight, acceptance_impl="pallas")
+        for seed in range(3):
+            key = jax.random.key(seed)
+            n1, t1, _ = ver.verify(ver.init_state(b, 4), key, draft, q, logits, s, valid)
+            n2, t2, _ = fused.verify(fused.init_state(b, 4), key, draft, q, logits, s, valid)
+            np.testing.assert_array_equal(n1, n2)
+            np.testing.assert_array_equal(t1, t2)

@@ -8,6 +8,8 @@ and is a pytree (Lossless and ASD are static ones; DIVERSED's learned head has a
 A verifier with `needs_hidden` also receives `hidden=(drafter hidden, target hidden)`.
 """
 
+import dataclasses
+
 from jspec.verify.asd import ASD, ASDState
 from jspec.verify.diversed import Diversed, DiversedHead, DiversedState
 from jspec.verify.lossless import (
@@ -64,7 +66,8 @@ def with_acceptance_impl(verifier: Lossless | ASD | Diversed, impl: str
                          ) -> Lossless | ASD | Diversed:
     """The verifier with acceptance `impl` ("xla" | "pallas"; the CLI's --acceptance-impl).
 
-    Only `Lossless` has a kernel path: "pallas" with ASD or DIVERSED is an error.
+    `Lossless` and `Diversed` (sampled, one w per row) have a kernel path; "pallas" with ASD
+    is an error.
     """
     from jspec.errors import JspecError  # noqa: PLC0415
 
@@ -72,6 +75,9 @@ def with_acceptance_impl(verifier: Lossless | ASD | Diversed, impl: str
         raise JspecError(f"acceptance impl must be one of {ACCEPTANCE_IMPLS}, got {impl!r}")
     if isinstance(verifier, Lossless):
         return Lossless(acceptance_impl=impl)
+    if isinstance(verifier, Diversed):
+        return dataclasses.replace(verifier, acceptance_impl=impl)
     if impl != "xla":
-        raise JspecError(f"--acceptance-impl {impl} applies to the lossless verifier only")
+        raise JspecError(f"--acceptance-impl {impl} applies to the lossless and DIVERSED "
+                         "verifiers only")
     return verifier

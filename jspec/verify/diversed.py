@@ -164,6 +164,7 @@ class Diversed:
     head: DiversedHead | None = None
     weight: float = dataclasses.field(metadata=dict(static=True), default=0.5)
     record: bool = dataclasses.field(metadata=dict(static=True), default=False)
+    acceptance_impl: str = dataclasses.field(metadata=dict(static=True), default="xla")
 
     def __post_init__(self) -> None:
         w = self.weight
@@ -171,6 +172,9 @@ class Diversed:
             raise JspecError(f"DIVERSED weight w must be in [0, 1], got {w!r}")
         if self.head is not None and not isinstance(self.head, DiversedHead):
             raise JspecError(f"head must be a DiversedHead, got {type(self.head).__name__}")
+        if self.acceptance_impl not in ("xla", "pallas"):
+            raise JspecError(f"acceptance_impl must be 'xla' or 'pallas', got "
+                             f"{self.acceptance_impl!r}")
 
     @property
     def needs_hidden(self) -> bool:
@@ -225,7 +229,12 @@ class Diversed:
         qd = jnp.where(valid[..., None], qd, 0.0)  # an empty slot proposes nothing
         nu = w[..., None] * p[:, :k] + (1.0 - w[..., None]) * qd  # [B, K, V]
         rows = jnp.arange(b)
-        if sampling.greedy:
+        if self._fused(sampling):
+            # One w per row (static or task level): the fused kernel, same random numbers.
+            from jspec.verify.lossless import verify_chain_fused  # noqa: PLC0415
+
+            n, nxt = verify_chain_fused(key, draft, q, target_logits, sampling, valid, w=w[:, 0])
+        elif sampling.greedy:
             top_nu = jnp.argmax(nu, axis=-1).astype(jnp.int32)  # [B, K]
             n = leading_true(valid & (draft == top_nu))
             top_p = jnp.argmax(p[:, k], axis=-1).astype(jnp.int32)
@@ -243,6 +252,14 @@ class Diversed:
             mass = jnp.sum(resid, axis=-1, keepdims=True)
             nxt = sample_from_probs(k_s, jnp.where(mass > RESIDUAL_EPS, resid, p_n))
         return n, nxt, self._update(vstate, draft, n, nxt, p, qd, w, feats, valid)
+
+    def _fused(self, sampling: Sampling) -> bool:
+        """The Pallas acceptance kernel serves sampled decoding with one w per row (static or
+        scalar head) and temperature-only processing; anything else keeps the XLA path."""
+        from jspec.verify.lossless import fused_acceptance_supports  # noqa: PLC0415
+
+        return (self.acceptance_impl == "pallas" and not self.needs_hidden
+                and not sampling.greedy and fused_acceptance_supports(sampling))
 
     def plain_step(self, vstate: DiversedState) -> DiversedState:
         """A round with nothing drafted committed one token from p."""
