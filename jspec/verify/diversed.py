@@ -99,6 +99,9 @@ class DiversedHead:
         from safetensors import safe_open  # noqa: PLC0415
 
         path = Path(path)
+        shipped = Path(__file__).resolve().parent.parent / "assets" / f"{path}.safetensors"
+        if not path.is_file() and path.suffix != ".safetensors" and shipped.is_file():
+            path = shipped  # a shipped head by name, e.g. smollm2-135m-eagle3-diversed-math-scalar
         if not path.is_file():
             raise JspecError(f"DIVERSED head file not found: {path}")
         try:
