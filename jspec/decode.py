@@ -14,7 +14,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
+from jspec import sharding
 from jspec.errors import JspecError
 from jspec.models.cache import KVCache
 from jspec.models.config import ModelConfig
@@ -309,20 +311,55 @@ def init_state(config: ModelConfig, weights: Weights, drafter: Any, prompt_ids: 
     return state
 
 
-_STATIC = ("config", "sampling", "max_new_tokens", "capacity", "eos_ids", "k", "verifier")
+_STATIC = ("config", "sampling", "max_new_tokens", "capacity", "eos_ids", "k", "verifier", "mesh")
+
+
+def _pin_inputs(mesh: Mesh | None, config: ModelConfig, weights: Weights, drafter: Any,
+                prompt_ids: jax.Array, prompt_lengths: jax.Array) -> tuple[Any, ...]:
+    """Under a mesh, constrain weights / drafter / prompts to their rule-table shardings."""
+    if mesh is None:
+        return weights, drafter, prompt_ids, prompt_lengths
+    weights = sharding.constrain(weights, sharding.params_sharding(weights, mesh,
+                                                                   head_dim=config.head_dim))
+    if jax.tree.leaves(drafter):
+        drafter = sharding.constrain(drafter, sharding.params_sharding(
+            drafter, mesh, head_dim=sharding.head_dim_of(drafter)))
+    b = prompt_ids.shape[0]
+    prompt_ids, prompt_lengths = sharding.constrain(
+        (prompt_ids, prompt_lengths),
+        sharding.state_sharding((prompt_ids, prompt_lengths), mesh, batch=b))
+    return weights, drafter, prompt_ids, prompt_lengths
+
+
+def _pin_state(mesh: Mesh | None, state: SpecState) -> SpecState:
+    """Under a mesh, keep the carried state in its rule-table layout (batch rows over `data`,
+    cache KV heads over `model`) from round to round."""
+    if mesh is None:
+        return state
+    return sharding.constrain(state, sharding.state_sharding(state, mesh,
+                                                             batch=state.last.shape[0]))
+
+
+def _pinned_round(mesh: Mesh | None, round_fn: Any) -> Any:
+    if mesh is None:
+        return round_fn
+    return lambda s: _pin_state(mesh, round_fn(s))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _generate(weights: Weights, drafter: Any, prompt_ids: jax.Array, prompt_lengths: jax.Array,
               key: jax.Array, *, config: ModelConfig, sampling: Sampling, max_new_tokens: int,
-              capacity: int, eos_ids: tuple[int, ...], k: int, verifier: Any
-              ) -> GenerateOutput:
+              capacity: int, eos_ids: tuple[int, ...], k: int, verifier: Any,
+              mesh: Mesh | None = None) -> GenerateOutput:
+    weights, drafter, prompt_ids, prompt_lengths = _pin_inputs(mesh, config, weights, drafter,
+                                                               prompt_ids, prompt_lengths)
     state = init_state(config, weights, drafter, prompt_ids, prompt_lengths, key,
                        sampling=sampling, max_new_tokens=max_new_tokens, capacity=capacity,
                        eos_ids=eos_ids, k=k, verifier=verifier)
+    state = _pin_state(mesh, state)
     round_fn = make_round(config, weights, drafter, k=k, sampling=sampling, eos_ids=eos_ids,
                           verifier=verifier)
-    state = run_rounds(round_fn, state, max_new_tokens - 1)
+    state = run_rounds(_pinned_round(mesh, round_fn), state, max_new_tokens - 1)
     return GenerateOutput(tokens=state.tokens, lengths=state.num_new, stats=state.stats,
                           verifier=state.verifier)
 
@@ -330,19 +367,23 @@ def _generate(weights: Weights, drafter: Any, prompt_ids: jax.Array, prompt_leng
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _init_jit(weights: Weights, drafter: Any, prompt_ids: jax.Array, prompt_lengths: jax.Array,
               key: jax.Array, **statics: Any) -> SpecState:
-    return init_state(statics["config"], weights, drafter, prompt_ids, prompt_lengths, key,
-                      **{k: v for k, v in statics.items() if k != "config"})
+    mesh = statics.pop("mesh", None)
+    weights, drafter, prompt_ids, prompt_lengths = _pin_inputs(
+        mesh, statics["config"], weights, drafter, prompt_ids, prompt_lengths)
+    state = init_state(statics["config"], weights, drafter, prompt_ids, prompt_lengths, key,
+                       **{k: v for k, v in statics.items() if k != "config"})
+    return _pin_state(mesh, state)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "k", "rounds",
-                                             "verifier"),
+                                             "verifier", "mesh"),
                    donate_argnames=("state",))
 def _chunk_jit(weights: Weights, drafter: Any, state: SpecState, *, config: ModelConfig,
                sampling: Sampling, eos_ids: tuple[int, ...], k: int, rounds: int,
-               verifier: Any) -> SpecState:
+               verifier: Any, mesh: Mesh | None = None) -> SpecState:
     round_fn = make_round(config, weights, drafter, k=k, sampling=sampling, eos_ids=eos_ids,
                           verifier=verifier)
-    return run_rounds(round_fn, state, rounds)
+    return run_rounds(_pinned_round(mesh, round_fn), state, rounds)
 
 
 def _is_concrete(x: Any) -> bool:
@@ -408,8 +449,8 @@ def pad_to_bucket(ids: jax.Array) -> jax.Array:
 
 def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, drafter: Any = None,
              max_new_tokens: int = 128, sampling: Sampling = Sampling(), verifier: Any = None,
-             length: Any = None, key: jax.Array | None = None, capacity: int | None = None
-             ) -> GenerateOutput:
+             length: Any = None, key: jax.Array | None = None, capacity: int | None = None,
+             mesh: Mesh | None = None) -> GenerateOutput:
     """Generate up to `max_new_tokens` tokens per prompt; works inside a user's `jax.jit`.
 
     Args:
@@ -421,21 +462,42 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, draft
       sampling: `Sampling(temperature, top_k, top_p)`; temperature 0 is greedy.
       key: PRNG key for sampling (default `jax.random.key(0)`).
       capacity: static KV-cache slots (default: prompt bucket + max_new_tokens, rounded up).
+      mesh: static; run sharded on this `jax.sharding.Mesh` (axes "data" and "model", see
+        `jspec.sharding`); default: the mesh set with `jax.set_mesh`, if any, else one device.
+        Weights, drafter, prompts and the decode state are laid out by `jspec.sharding.RULES`.
     Returns:
       GenerateOutput: tokens i32[B, max_new_tokens] (-1 after each row's end), lengths i32[B],
-      stats.
+      stats. Under a mesh, arrays are sharded over `data` by row.
     """
     if not isinstance(sampling, Sampling):
         raise JspecError(f"sampling must be a jspec.Sampling, got {type(sampling).__name__}")
     ids, lengths = validate_prompts(model, prompt_ids, prompt_lengths, max_new_tokens, capacity)
     ids = pad_to_bucket(ids)
     key = jax.random.key(0) if key is None else key
-    statics = _statics(model, ids, drafter, sampling, max_new_tokens, verifier, length, capacity)
-    return _generate(model.weights, drafter, ids, lengths, key, **statics)
+    statics = _statics(model, ids, drafter, sampling, max_new_tokens, verifier, length, capacity,
+                       mesh)
+    with sharding.using(statics["mesh"], model.weights, ids, lengths, key):
+        weights, drafter, ids, lengths, key = _place_inputs(statics["mesh"], model, drafter, ids,
+                                                            lengths, key)
+        return _generate(weights, drafter, ids, lengths, key, **statics)
+
+
+def _place_inputs(mesh: Mesh | None, model: Model, drafter: Any, ids: jax.Array,
+                  lengths: jax.Array, key: jax.Array) -> tuple[Any, ...]:
+    """Transfer the inputs to their mesh layout once, before the jitted call (a no-op for
+    arrays already placed, e.g. with `jspec.sharding.shard_model`)."""
+    if mesh is None:
+        return model.weights, drafter, ids, lengths, key
+    weights = sharding.shard_model(model, mesh).weights
+    drafter = sharding.shard_drafter(drafter, mesh)
+    ids, lengths, key = sharding.place((ids, lengths, key), sharding.state_sharding(
+        (ids, lengths, key), mesh, batch=ids.shape[0]))
+    return weights, drafter, ids, lengths, key
 
 
 def _statics(model: Model, ids: jax.Array, drafter: Any, sampling: Sampling, max_new_tokens: int,
-             verifier: Any, length: Any, capacity: int | None) -> dict[str, Any]:
+             verifier: Any, length: Any, capacity: int | None, mesh: Mesh | None = None
+             ) -> dict[str, Any]:
     from jspec.length import FixedLength  # noqa: PLC0415
     from jspec.verify import ASD, Lossless  # noqa: PLC0415
 
@@ -457,29 +519,37 @@ def _statics(model: Model, ids: jax.Array, drafter: Any, sampling: Sampling, max
         raise JspecError(f"prompt width {ids.shape[1]} + max_new_tokens {max_new_tokens} + a "
                          f"verify block of {k + 1} does not fit the cache capacity {cap}")
     return dict(config=model.config, sampling=sampling, max_new_tokens=max_new_tokens,
-                capacity=cap, eos_ids=model.eos_ids, k=k, verifier=verifier)
+                capacity=cap, eos_ids=model.eos_ids, k=k, verifier=verifier,
+                mesh=sharding.resolve_mesh(mesh))
 
 
 def stream(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, drafter: Any = None,
            max_new_tokens: int = 128, sampling: Sampling = Sampling(), verifier: Any = None,
-           length: Any = None, key: jax.Array | None = None, rounds_per_dispatch: int = 8):
+           length: Any = None, key: jax.Array | None = None, rounds_per_dispatch: int = 8,
+           mesh: Mesh | None = None):
     """Yield (tokens i32[B, N], num_new i32[B], stats, all_done) after each dispatch.
 
     The same rounds as `generate`, `rounds_per_dispatch` of them per device dispatch; the host
     reads the state once per dispatch (not per token), which lets a terminal show text as it
-    is produced.
+    is produced. `mesh` as in `generate`.
     """
     ids, lengths = validate_prompts(model, prompt_ids, prompt_lengths, max_new_tokens, capacity=None)
     ids = pad_to_bucket(ids)
     key = jax.random.key(0) if key is None else key
-    statics = _statics(model, ids, drafter, sampling, max_new_tokens, verifier, length, None)
-    state = _init_jit(model.weights, drafter, ids, lengths, key, **statics)
-    loop_statics = {k: statics[k] for k in ("config", "sampling", "eos_ids", "k", "verifier")}
+    statics = _statics(model, ids, drafter, sampling, max_new_tokens, verifier, length, None,
+                       mesh)
+    mesh = statics["mesh"]
+    with sharding.using(mesh, ids, lengths, key):
+        weights, drafter, ids, lengths, key = _place_inputs(mesh, model, drafter, ids, lengths, key)
+        state = _init_jit(weights, drafter, ids, lengths, key, **statics)
+    loop_statics = {k: statics[k] for k in ("config", "sampling", "eos_ids", "k", "verifier",
+                                            "mesh")}
     while True:
         tokens, num_new, done, st = jax.device_get(
             (state.tokens, state.num_new, state.done, state.stats))
         yield tokens, num_new, st, bool(done.all())
         if done.all():
             return
-        state = _chunk_jit(model.weights, drafter, state, rounds=rounds_per_dispatch,
-                           **loop_statics)
+        with sharding.using(mesh, state):
+            state = _chunk_jit(weights, drafter, state, rounds=rounds_per_dispatch,
+                               **loop_statics)
