@@ -122,7 +122,11 @@ def auto_mesh(mesh: Mesh) -> Mesh:
 def resolve_mesh(mesh: Mesh | None) -> Mesh | None:
     """`mesh`, else the mesh set with `jax.set_mesh` (if any), as an Auto-typed mesh; or None."""
     if mesh is None:
-        ctx = jax.sharding.get_mesh()
+        try:
+            ctx = jax.sharding.get_mesh()
+        except ValueError:  # inside a user's jit: only the abstract context mesh is visible
+            _check_not_explicit()
+            return None
         mesh = None if ctx.empty else ctx
     if mesh is None:
         return None
@@ -151,13 +155,17 @@ def using(mesh: Mesh | None, *args: Any) -> Iterator[None]:
         with jax.set_mesh(mesh):
             yield
         return
+    _check_not_explicit()
+    yield
+
+
+def _check_not_explicit() -> None:
     ctx = jax.sharding.get_abstract_mesh()
     if not ctx.empty and any(t == AxisType.Explicit for t in ctx.axis_types):
         raise JspecError("jspec runs its model code with Auto mesh axes; inside your own jit, "
                          "call it under a mesh built with axis_types=(AxisType.Auto, ...) "
-                         "(jspec.sharding.make_mesh) or wrap the call in "
+                         "(jspec.sharding.make_mesh) and pass mesh=, or wrap the call in "
                          "jax.sharding.auto_axes")
-    yield
 
 
 # ----------------------------------------------------------------------------- specs
@@ -339,7 +347,7 @@ def per_device_bytes(tree: Any, specs: Any, mesh: Mesh | AbstractMesh) -> int:
             axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
             div = int(np.prod([sizes[x] for x in axes])) if axes else 1
             n *= -(-dim // div)
-        total += n * np.dtype(a.dtype).itemsize
+        total += n * a.dtype.itemsize  # (PRNG key dtypes too)
     return int(total)
 
 
@@ -373,3 +381,47 @@ def shard_map(fn: Callable[..., Any], mesh: Mesh, in_axes: Any, out_axes: Any,
     out_specs = jax.tree.map(to_spec, out_axes, is_leaf=is_axes)
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=check_vma)
+
+
+def shard_kernel(fn: Callable[..., Any], in_axes: Any, out_axes: Any, *,
+                 mesh: Mesh | AbstractMesh | None = None,
+                 rules: tuple[tuple[str, str | None], ...] = RULES) -> Callable[..., Any]:
+    """`fn` run per device under the mesh in context (how a Pallas call goes into model code).
+
+    With no mesh (`mesh` None and no `jax.set_mesh` context, e.g. on one device) this is `fn`
+    itself. Under a mesh it is `shard_map(fn, mesh, in_axes, out_axes)` with one safety rule:
+    a mesh axis is used only if it divides *every* dimension mapped to it in the inputs and
+    outputs; otherwise that mesh axis is dropped for the whole call (the arrays are replicated
+    along it), so that e.g. query heads are never split while their KV heads are not.
+    `jspec.generate` traces under `jax.set_mesh(<its mesh>)`, so the context is there.
+
+    Args:
+      fn: the per-device function (e.g. a jitted Pallas wrapper).
+      in_axes / out_axes: pytrees of `Axes` tuples for fn's positional args / outputs.
+      mesh: default: the context mesh.
+    Returns:
+      a function with fn's signature.
+    """
+    is_axes = lambda x: isinstance(x, tuple) and all(e is None or isinstance(e, str) for e in x)  # noqa: E731
+
+    def call(*args: Any) -> Any:
+        m = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+        if m is None or m.empty or m.size == 1:
+            return fn(*args)
+        out_shapes = jax.eval_shape(fn, *args)
+        table, sizes = dict(rules), dict(m.shape)
+        dropped: set[str] = set()
+        for axes_tree, values in ((in_axes, args), (out_axes, out_shapes)):
+            axes_list = jax.tree.leaves(axes_tree, is_leaf=is_axes)
+            arrays = jax.tree.leaves(values)
+            if len(axes_list) != len(arrays):
+                raise JspecError(f"{len(axes_list)} logical-axes entries for {len(arrays)} arrays")
+            for axes, a in zip(axes_list, arrays, strict=True):
+                for name, dim in zip(axes, a.shape, strict=True):
+                    target = table.get(name) if name is not None else None
+                    if target in sizes and dim % sizes[target]:
+                        dropped.add(target)
+        use = tuple((k, None if v in dropped else v) for k, v in rules)
+        return shard_map(fn, m, in_axes, out_axes, rules=use)(*args)
+
+    return call
