@@ -1,5 +1,6 @@
 """jspec: JAX-native speculative decoding."""
 
+from jspec import sharding
 from jspec.decode import GenerateOutput, SpecState, Stats, generate
 from jspec.drafters import DraftModel, NGram, load_drafter
 from jspec.errors import JspecError, ModelLoadError
@@ -10,4 +11,5 @@ from jspec.verify import ASD, Lossless
 
 __all__ = ["ASD", "Chain", "DraftModel", "FixedLength", "GenerateOutput", "JspecError", "KVCache",
            "Lossless", "Model", "ModelConfig", "ModelLoadError", "NGram", "Sampling", "SpecState",
-           "Stats", "Tree", "Weights", "forward", "generate", "load_drafter", "load_model"]
+           "Stats", "Tree", "Weights", "forward", "generate", "load_drafter", "load_model",
+           "sharding"]

@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--verifier", default="lossless",
                    help="lossless (default) or asd[:budget=B,gate=G,cap=M] (greedy only; "
                         "approximate: output may differ from the target's greedy output)")
+    g.add_argument("--mesh", help="DATAxMODEL, e.g. 1x8: run sharded on a device mesh (weights "
+                                  "over model by jspec.sharding.RULES; see docs/SCALING.md)")
     _add_sampling_args(g)
 
     c = sub.add_parser("calibrate-asd", help="calibrate ASD's regret gate on real prompts",
@@ -137,6 +139,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = jspec.Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     length = _length(args)
     prompts = _read_prompts(args)
+    mesh = jspec.sharding.parse_mesh(args.mesh) if args.mesh else None
     model = jspec.load_model(args.model, dtype=args.dtype)
     from jspec.verify import parse_verifier  # noqa: PLC0415
 
@@ -144,7 +147,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     drafter = jspec.load_drafter(args.drafter, target=model) if args.drafter else None
     if drafter is None and (length is not None or args.verifier != "lossless"):
         raise JspecError("--k/--length/--verifier need --drafter")
-    spec = dict(drafter=drafter, length=length, verifier=verifier if drafter else None)
+    if mesh is not None:  # place the weights once, not per prompt
+        model = jspec.sharding.shard_model(model, mesh)
+        drafter = jspec.sharding.shard_drafter(drafter, mesh)
+    spec = dict(drafter=drafter, length=length, verifier=verifier if drafter else None, mesh=mesh)
     key = jax.random.key(args.seed)
     for i, text in enumerate(prompts):
         ids = model.encode(text, chat=not args.raw)

@@ -1,8 +1,10 @@
 """Decoding: the state carried between rounds, the round function and `generate`.
 
 Static (changing these recompiles): the model config, `Sampling`, drafter/verifier/length
-objects, `max_new_tokens`, the prompt-length bucket and the cache capacity.
+objects, `max_new_tokens`, the prompt-length bucket, the cache capacity and the mesh.
 Dynamic: weights, prompt ids and lengths, the PRNG key.
+Under a mesh (`jspec.sharding`), inputs are placed and the carried state is pinned to the
+rules-table layout; the round functions themselves are the single-device code.
 """
 
 from __future__ import annotations
