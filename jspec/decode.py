@@ -478,7 +478,7 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, draft
     key = jax.random.key(0) if key is None else key
     statics = _statics(model, ids, drafter, sampling, max_new_tokens, verifier, length, capacity,
                        mesh)
-    with sharding.using(statics["mesh"], model.weights, ids, lengths, key):
+    with sharding.using(statics["mesh"]):
         weights, drafter, ids, lengths, key = _place_inputs(statics["mesh"], model, drafter, ids,
                                                             lengths, key)
         return _generate(weights, drafter, ids, lengths, key, **statics)
@@ -541,7 +541,7 @@ def stream(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, drafter
     statics = _statics(model, ids, drafter, sampling, max_new_tokens, verifier, length, None,
                        mesh)
     mesh = statics["mesh"]
-    with sharding.using(mesh, ids, lengths, key):
+    with sharding.using(mesh):
         weights, drafter, ids, lengths, key = _place_inputs(mesh, model, drafter, ids, lengths, key)
         state = _init_jit(weights, drafter, ids, lengths, key, **statics)
     loop_statics = {k: statics[k] for k in ("config", "sampling", "eos_ids", "k", "verifier",
@@ -552,6 +552,6 @@ def stream(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, drafter
         yield tokens, num_new, st, bool(done.all())
         if done.all():
             return
-        with sharding.using(mesh, state):
+        with sharding.using(mesh):
             state = _chunk_jit(weights, drafter, state, rounds=rounds_per_dispatch,
                                **loop_statics)

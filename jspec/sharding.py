@@ -122,11 +122,10 @@ def auto_mesh(mesh: Mesh) -> Mesh:
 def resolve_mesh(mesh: Mesh | None) -> Mesh | None:
     """`mesh`, else the mesh set with `jax.set_mesh` (if any), as an Auto-typed mesh; or None."""
     if mesh is None:
-        try:
-            ctx = jax.sharding.get_mesh()
-        except ValueError:  # inside a user's jit: only the abstract context mesh is visible
+        if _inside_trace():  # inside a user's jit: only the abstract context mesh is visible
             _check_not_explicit()
             return None
+        ctx = jax.sharding.get_mesh()
         mesh = None if ctx.empty else ctx
     if mesh is None:
         return None
@@ -138,20 +137,28 @@ def resolve_mesh(mesh: Mesh | None) -> Mesh | None:
     return auto_mesh(mesh)
 
 
+def _inside_trace() -> bool:
+    """True inside `jit` (or any trace); `jax.sharding.get_mesh` only works outside one."""
+    try:
+        jax.sharding.get_mesh()
+    except ValueError:
+        return True
+    return False
+
+
 @contextlib.contextmanager
-def using(mesh: Mesh | None, *args: Any) -> Iterator[None]:
+def using(mesh: Mesh | None) -> Iterator[None]:
     """Trace jspec's jitted functions under `mesh` (Auto axes) as the context mesh.
 
     Outside `jit` this is `jax.set_mesh(mesh)`, which also overrides a user's Explicit context
-    mesh (whose sharding-in-types would otherwise apply to jspec's model code). Inside a user's
-    `jit` the context cannot change: an Explicit context mesh is then an error with a remedy.
-    `args`: the call's arrays (to tell whether it is being traced).
+    mesh (whose sharding-in-types would otherwise apply to jspec's model code) and lets model
+    code find the mesh (`shard_kernel`). Inside a user's `jit` the context cannot change: an
+    Explicit context mesh is then an error with a remedy.
     """
     if mesh is None:
         yield
         return
-    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
-    if not traced:
+    if not _inside_trace():
         with jax.set_mesh(mesh):
             yield
         return

@@ -173,6 +173,11 @@ def test_set_mesh_context_explicit_mesh_and_user_jit():
                               length=jspec.FixedLength(3), mesh=mesh).tokens
 
     np.testing.assert_array_equal(np.asarray(user(model, ids, lengths)), np.asarray(ref.tokens))
+    # Everything closed over (no tracer among the arguments, still inside a trace).
+    closed = jax.jit(lambda: jspec.generate(model, ids, lengths, max_new_tokens=16, mesh=mesh,
+                                            drafter=NGram(n_max=3),
+                                            length=jspec.FixedLength(3)).tokens)
+    np.testing.assert_array_equal(np.asarray(closed()), np.asarray(ref.tokens))
     with jax.set_mesh(explicit), pytest.raises(jspec.JspecError, match="Auto"):
         jax.jit(lambda i, n: jspec.generate(model, i, n, max_new_tokens=8).tokens)(ids, lengths)
     with pytest.raises(jspec.JspecError, match="needs 16 devices, there are 8"):
