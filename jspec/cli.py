@@ -141,14 +141,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = _read_prompts(args)
     mesh = jspec.sharding.parse_mesh(args.mesh) if args.mesh else None
     model = jspec.load_model(args.model, dtype=args.dtype)
+    if mesh is not None:  # place the weights once (not per prompt), before a drafter shares them
+        model = jspec.sharding.shard_model(model, mesh)
     from jspec.verify import parse_verifier  # noqa: PLC0415
 
     verifier = parse_verifier(args.verifier)
     drafter = jspec.load_drafter(args.drafter, target=model) if args.drafter else None
     if drafter is None and (length is not None or args.verifier != "lossless"):
         raise JspecError("--k/--length/--verifier need --drafter")
-    if mesh is not None:  # place the weights once, not per prompt
-        model = jspec.sharding.shard_model(model, mesh)
+    if mesh is not None:
         drafter = jspec.sharding.shard_drafter(drafter, mesh)
     spec = dict(drafter=drafter, length=length, verifier=verifier if drafter else None, mesh=mesh)
     key = jax.random.key(args.seed)
