@@ -247,11 +247,14 @@ def _chi2_two_sample(a: np.ndarray, b: np.ndarray, top: int) -> float:
     return sps.chi2_contingency(table[:, table.sum(0) > 0])[1]
 
 
-def test_sampling_at_t1_on_a_mesh_keeps_the_target_distribution():
-    """Speculative sampling (T=1, early-exit:1 drafter with its real q, k=4) on a 2x4 mesh vs
-    autoregressive sampling on one device: 4,096 rows per side, seeds 1 and 2, one token per row
-    from drafted positions 1..5; two-sample χ² (top 40 bins + other) p > 0.01. The 2nd new token
-    on the mesh is also compared to its exact distribution (χ² goodness of fit, p > 0.01)."""
+@pytest.mark.parametrize("shape", [(2, 4), pytest.param((1, 8), marks=slow),
+                                   pytest.param((8, 1), marks=slow)])
+def test_sampling_at_t1_on_a_mesh_keeps_the_target_distribution(shape):
+    """Speculative sampling (T=1, early-exit:1 drafter with its real q, k=4) on a mesh (2x4;
+    1x8 and 8x1 under -m slow) vs autoregressive sampling on one device: 4,096 rows per side,
+    seeds 1 and 2, one token per row from drafted positions 1..5; two-sample χ² (top 40 bins +
+    other) p > 0.01. The 2nd new token on the mesh is also compared to its exact distribution
+    (χ² goodness of fit, p > 0.01)."""
     model = tiny_model("mesh_gqa", seed=5)
     weights = dataclasses.replace(model.weights, embed=model.weights.embed * 0.3)
     model = jspec.Model(config=model.config.replace(eos_ids=()), weights=weights)
@@ -263,7 +266,7 @@ def test_sampling_at_t1_on_a_mesh_keeps_the_target_distribution():
     ar = jspec.generate(model, ids, max_new_tokens=n_new, sampling=sampling, key=jax.random.key(1),
                         capacity=cap)
     sp = jspec.generate(model, ids, max_new_tokens=n_new, sampling=sampling, drafter=drafter,
-                        length=jspec.FixedLength(4), key=jax.random.key(2), mesh=_mesh((2, 4)),
+                        length=jspec.FixedLength(4), key=jax.random.key(2), mesh=_mesh(shape),
                         capacity=cap)
     assert float(np.mean(sp.stats.mean_accepted())) > 1.3  # drafts are accepted, not bypassed
     a, b = _thinned(np.asarray(ar.tokens), 5), _thinned(np.asarray(sp.tokens), 5)
