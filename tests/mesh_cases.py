@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -147,6 +148,23 @@ def test_layouts_follow_the_rules_table():
     assert len(steps) >= 2
     ref = jspec.generate(model, ids, lengths, max_new_tokens=4)
     np.testing.assert_array_equal(steps[-1][0], np.asarray(ref.tokens))
+
+
+def test_no_collective_moves_a_cache_sized_buffer():
+    """The KV cache stays where it is: in the compiled sharded generate (2x4 and 1x8), no
+    all-gather / all-to-all / collective-permute has a dimension as long as the cache (512
+    slots); what moves is activations and each step's new K/V rows."""
+    model = tiny_model("mesh_gqa", seed=1)
+    ids, lengths = pad_prompts(PROMPTS)
+    for shape in [(2, 4), (1, 8)]:
+        mesh = _mesh(shape)
+        fn = jax.jit(lambda m, i, n, mesh=mesh: jspec.generate(m, i, n, max_new_tokens=8,
+                                                                 capacity=512, mesh=mesh).tokens)
+        hlo = fn.lower(model, ids, lengths).compile().as_text()
+        moved = re.findall(r"= \S*?\[([\d,]*)\]\S* (?:all-gather|all-to-all|collective-permute)\(", hlo)
+        assert moved, "expected some collectives on a sharded model"
+        for dims in moved:
+            assert "512" not in dims.split(","), f"a cache-sized buffer [{dims}] moves on {shape}"
 
 
 def test_set_mesh_context_explicit_mesh_and_user_jit():
