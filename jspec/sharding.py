@@ -7,7 +7,10 @@ mesh axis: target weights, drafter weights, KV caches, the decode state, trainin
 `shard_map` specs of kernels all resolve through this one table.
 
 Mesh axes: `data` (batch rows) and `model` (heads, KV heads, MLP width, vocabulary: Megatron-style
-tensor parallelism; the residual stream `embed` stays replicated).
+tensor parallelism; the residual stream `embed` stays replicated). Parameters get their logical
+axes from `PARAM_AXES` by leaf name; per-row state from `STATE_AXES` by leaf name, else
+`("batch", None, ...)` when the leading dimension is the batch; anything else is replicated.
+Kernels (Pallas calls) run per device through `shard_kernel` / `shard_map`, specs from `RULES`.
 
 Axis types: jspec builds and uses meshes with `AxisType.Auto` (GSPMD/Shardy propagation), not the
 `Explicit` default of `jax.make_mesh`. jspec places its inputs with `NamedSharding`s and pins the
@@ -36,6 +39,11 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jspec.errors import JspecError
+
+__all__ = ["DATA", "MODEL", "PARAM_AXES", "RULES", "STATE_AXES", "Axes", "auto_mesh", "constrain",
+           "head_dim_of", "logical_spec", "make_mesh", "named", "param_specs", "params_sharding",
+           "parse_mesh", "per_device_bytes", "place", "resolve_mesh", "shard_drafter",
+           "shard_kernel", "shard_map", "shard_model", "state_sharding", "state_specs", "using"]
 
 DATA = "data"  # mesh axis for batch rows (data parallelism)
 MODEL = "model"  # mesh axis for heads / MLP / vocabulary (tensor parallelism)
