@@ -101,7 +101,7 @@ def test_greedy_on_meshes_equals_single_device(drafter_name):
     _check_greedy("mesh_gqa", drafter_name, MESHES)
 
 
-@pytest.mark.parametrize("drafter_name", ["draft-model", "dflash",
+@pytest.mark.parametrize("drafter_name", ["dflash", pytest.param("draft-model", marks=slow),
                                           pytest.param("eagle3", marks=slow)])
 def test_greedy_drafters_with_weights_on_a_mesh(drafter_name):
     """Drafters with their own weights / params / caches: same check on 2x4."""

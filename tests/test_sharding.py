@@ -193,7 +193,8 @@ def _run_mesh_cases(marker: str) -> None:
 
 def test_mesh_cases_on_8_fake_cpu_devices():
     """Greedy identity on 1x8 / 2x4 / 8x1, χ² at T=1 on 2x4, one train step on 2x4, layouts,
-    set_mesh / explicit meshes / user jit, shard_map (see tests/mesh_cases.py)."""
+    no cache-sized collective, set_mesh / explicit meshes / user jit, shard_map (see
+    tests/mesh_cases.py)."""
     _run_mesh_cases("not slow")
 
 
