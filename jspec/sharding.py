@@ -42,7 +42,7 @@ from jspec.errors import JspecError
 
 __all__ = ["DATA", "MODEL", "PARAM_AXES", "RULES", "STATE_AXES", "Axes", "auto_mesh", "constrain",
            "head_dim_of", "logical_spec", "make_mesh", "named", "param_specs", "params_sharding",
-           "parse_mesh", "per_device_bytes", "place", "resolve_mesh", "shard_drafter",
+           "parse_mesh", "per_device_bytes", "place", "replicated", "resolve_mesh", "shard_drafter",
            "shard_kernel", "shard_map", "shard_model", "state_sharding", "state_specs", "using"]
 
 DATA = "data"  # mesh axis for batch rows (data parallelism)
@@ -269,6 +269,11 @@ def state_specs(tree: Any, mesh: Mesh | AbstractMesh, *, batch: int,
         return logical_spec(axes, a.shape, mesh, rules)
 
     return jax.tree_util.tree_map_with_path(spec, tree)
+
+
+def replicated(tree: Any, mesh: Mesh) -> Any:
+    """NamedShardings that replicate every array of `tree` on `mesh`."""
+    return jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), tree)
 
 
 def named(mesh: Mesh, specs: Any) -> Any:

@@ -114,6 +114,23 @@ def test_greedy_drafters_with_weights_on_all_meshes(drafter_name):
     _check_greedy("mesh_gqa", drafter_name, [(1, 8), (8, 1)])
 
 
+@slow
+def test_verifier_with_arrays_on_a_mesh():
+    """A DIVERSED verifier with a learned (scalar) head — arrays in the verifier pytree,
+    replicated on the mesh — gives the same greedy tokens on 2x4 as on one device."""
+    from jspec.verify import Diversed, DiversedHead
+
+    model = tiny_model("mesh_gqa", seed=1)
+    drafter = jspec.load_drafter("early-exit:1", target=model)
+    head = DiversedHead.init("scalar", model=model.name)
+    ids, lengths = pad_prompts(PROMPTS)
+    kw = dict(max_new_tokens=12, drafter=drafter, length=jspec.FixedLength(3),
+              verifier=Diversed(head=head))
+    ref = jspec.generate(model, ids, lengths, **kw)
+    out = jspec.generate(model, ids, lengths, mesh=_mesh((2, 4)), **kw)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+
+
 def test_non_divisible_dimensions_fall_back_to_replication():
     """vocab 97, 4 heads, 2 KV heads, FFN 48 on 1x8: only what divides is sharded; same tokens."""
     model = tiny_model("llama_tied_gqa2", seed=1)

@@ -156,6 +156,7 @@ class DFlashState:
     conf: jax.Array  # f32[B, K] confidences (chosen token's probability) of the last proposal
     vhat: jax.Array  # f32[B, K] verification-head probabilities
     last_c: jax.Array  # f32[B, D] projected context feature at position cache_len - 1
+    hidden: jax.Array  # f32[B, K, D] hidden states that produced the last proposal (DIVERSED)
 
 
 @jax.tree_util.register_dataclass
@@ -179,6 +180,10 @@ class DFlash:
     def may_abstain(self) -> bool:
         return self.cut > 0
 
+    @property
+    def hidden_size(self) -> int:
+        return self.cfg.hidden_size
+
     def _write(self, ck, cv, feats, positions):
         c = context(self.cfg, self.params, feats)
         rows = jnp.arange(feats.shape[0])[:, None]
@@ -201,7 +206,8 @@ class DFlash:
         last_c = jnp.take_along_axis(c, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
         return DFlashState(ck=ck, cv=cv, pending=Pending(pend, prompt_lengths,
                                                          jnp.zeros((b,), jnp.int32)),
-                           conf=zk, vhat=zk, last_c=last_c)
+                           conf=zk, vhat=zk, last_c=last_c,
+                           hidden=jnp.zeros((b, k, cfg.hidden_size), jnp.float32))
 
     def observe(self, state: DFlashState, feats: jax.Array, start: jax.Array,
                 count: jax.Array) -> DFlashState:
@@ -234,7 +240,7 @@ class DFlash:
         if self.cut > 0:
             tokens = jnp.where(jnp.cumsum(vhat < self.cut, axis=1) > 0, -1, tokens)
         return tokens, q, DFlashState(ck=ck, cv=cv, pending=pend, conf=conf, vhat=vhat,
-                                      last_c=last_c)
+                                      last_c=last_c, hidden=h.astype(jnp.float32))
 
 
 def make(cfg: DrafterConfig, params: Params, vocab_ids: Any, target_weights: Any,

@@ -130,6 +130,7 @@ class Eagle3State:
     pending: Pending
     conf: jax.Array  # f32[B, K] confidences of the last proposal
     vhat: jax.Array  # f32[B, K] verification-head probabilities of the last proposal
+    hidden: jax.Array  # f32[B, K, D] hidden states that produced the last proposal (DIVERSED)
 
 
 @jax.tree_util.register_dataclass
@@ -157,6 +158,10 @@ class Eagle3:
     def may_abstain(self) -> bool:
         return self.cut > 0
 
+    @property
+    def hidden_size(self) -> int:
+        return self.cfg.hidden_size
+
     def init_state(self, features: jax.Array, prompt_ids: jax.Array, prompt_lengths: jax.Array,
                    capacity: int, k: int) -> Eagle3State:
         """Ingest prompt entries 0..len-2; entry len-1 waits for the first sampled token."""
@@ -173,7 +178,7 @@ class Eagle3:
         z = jnp.zeros((b, k), jnp.float32)
         return Eagle3State(ck=ck, cv=cv, pending=Pending(pend, prompt_lengths - 1,
                                                          jnp.ones((b,), jnp.int32)),
-                           conf=z, vhat=z)
+                           conf=z, vhat=z, hidden=jnp.zeros((b, k, cfg.hidden_size), jnp.float32))
 
     def observe(self, state: Eagle3State, feats: jax.Array, start: jax.Array,
                 count: jax.Array) -> Eagle3State:
@@ -192,7 +197,7 @@ class Eagle3:
         h = jnp.take_along_axis(h, (pend.count - 1)[:, None, None], axis=1)  # [B, 1, D]
         p0 = ctx.cache_len - 1  # position of the chain's first entry
         keys = jax.random.split(key, k)
-        toks, qs, confs, vh = [], [], [], []
+        toks, qs, confs, vh, hs = [], [], [], [], []
         for j in range(k):
             t, q, c = choose(draft_logits(cfg, p, self.head, h), self.vocab_ids,
                              cfg.target_vocab, sampling, keys[j])
@@ -200,6 +205,7 @@ class Eagle3:
             qs.append(None if q is None else q[:, 0])
             confs.append(c[:, 0])
             vh.append(jax.nn.sigmoid(verify_head(p, h))[:, 0])
+            hs.append(h[:, 0])
             if j + 1 < k:
                 emb = jnp.take(self.embed, t, axis=0).astype(jnp.float32)
                 h, ck, cv = step(cfg, p, emb, h, (p0 + j + 1)[:, None], ck, cv)
@@ -209,7 +215,7 @@ class Eagle3:
             tokens = jnp.where(jnp.cumsum(vhat < self.cut, axis=1) > 0, -1, tokens)
         q = None if sampling.greedy else jnp.stack(qs, axis=1)
         return tokens, q, Eagle3State(ck=ck, cv=cv, pending=pend, conf=jnp.stack(confs, 1),
-                                      vhat=vhat)
+                                      vhat=vhat, hidden=jnp.stack(hs, axis=1))
 
 
 def make(cfg: DrafterConfig, params: Params, vocab_ids: Any, target_weights: Any,

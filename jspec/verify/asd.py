@@ -28,6 +28,7 @@ class ASDState:
     n_ratios: jax.Array  # i32[B] entries written in `ratios`
 
 
+@jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class ASD:
     """Budgeted approximate greedy verification. Static under jit.

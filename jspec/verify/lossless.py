@@ -13,6 +13,7 @@ from jspec.sampling import Sampling, process_logits, sample_from_probs
 RESIDUAL_EPS = 1e-8
 
 
+@jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class Lossless:
     """The default verifier: output distributed exactly as the target's (greedy: identical)."""

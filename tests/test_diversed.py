@@ -1,0 +1,227 @@
+"""DIVERSED relaxed verification: the rule, its distribution, w = 1 == lossless, heads, errors."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import pad_prompts as _pad
+from scipy import stats
+from test_trained_drafters import PROMPTS, tiny_drafter
+
+import jspec
+from jspec.errors import JspecError
+from jspec.sampling import Sampling
+from jspec.verify import Diversed, DiversedHead, parse_verifier, verify_chain
+from jspec.verify.diversed import ensemble_logprob
+
+V = 6
+P = np.array([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
+Q = np.array([0.05, 0.10, 0.45, 0.10, 0.20, 0.10])
+
+
+def _one_position(verifier, w_logits_key, n: int, sampling=Sampling(temperature=1.0)):
+    """n independent rounds with K=1 over fixed p, q: (first committed token, n_accepted)."""
+    logits = jnp.log(jnp.asarray(np.stack([P, P])))[None]  # [1, 2, V] (position 2: bonus)
+    q = jnp.asarray(Q, jnp.float32)[None, None]  # [1, 1, V]
+
+    def one(key):
+        k_d, k_v = jax.random.split(key)
+        x = jax.random.categorical(k_d, jnp.log(q[0, 0]))[None, None].astype(jnp.int32)
+        nacc, nxt, _ = verifier.verify(verifier.init_state(1, 4), k_v, x, q, logits, sampling,
+                                       jnp.ones((1, 1), bool))
+        return jnp.where(nacc[0] > 0, x[0, 0], nxt[0]), nacc[0]
+
+    keys = jax.random.split(jax.random.key(w_logits_key), n)
+    y, nacc = jax.jit(jax.vmap(one))(keys)
+    return np.asarray(y), np.asarray(nacc)
+
+
+@pytest.mark.parametrize("w", [0.0, 0.5, 0.8, 1.0])
+def test_committed_token_is_distributed_as_nu(w):
+    # 20,000 seeded rounds; χ² goodness of fit to ν = w·p + (1−w)·q at p > 0.001; and the
+    # acceptance rate within 4.5 standard errors of 1 − w·TV(p, q).
+    n = 20_000
+    y, nacc = _one_position(Diversed(weight=w), 7, n)
+    nu = w * P + (1 - w) * Q
+    counts = np.bincount(y, minlength=V)
+    _, pval = stats.chisquare(counts, nu * n)
+    assert pval > 1e-3, (counts, nu * n)
+    tv = 0.5 * np.abs(P - Q).sum()
+    acc = 1 - w * tv
+    assert abs(nacc.mean() - acc) < 4.5 * np.sqrt(acc * (1 - acc) / n + 1e-12)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_weight_one_is_exactly_lossless(greedy):
+    rng = np.random.default_rng(0)
+    b, k, v = 16, 4, 32
+    logits = jnp.asarray(rng.normal(size=(b, k + 1, v)) * 2, jnp.float32)
+    q = jax.nn.softmax(jnp.asarray(rng.normal(size=(b, k, v)), jnp.float32), axis=-1)
+    draft = jnp.asarray(rng.integers(0, v, size=(b, k)), jnp.int32)
+    # Make some drafts the target's argmax so greedy accepts a prefix sometimes.
+    draft = jnp.where(jnp.asarray(rng.random((b, k)) < 0.6), jnp.argmax(logits[:, :k], -1), draft)
+    valid = jnp.asarray(rng.random((b, k)) < 0.9)
+    sampling = Sampling() if greedy else Sampling(temperature=0.8)
+    qq = None if greedy else q
+    ver = Diversed(weight=1.0)
+    for seed in range(5):
+        key = jax.random.key(seed)
+        n1, t1 = verify_chain(key, draft, qq, logits, sampling, valid)
+        n2, t2, _ = ver.verify(ver.init_state(b, 8), key, draft, qq, logits, sampling, valid)
+        np.testing.assert_array_equal(n1, n2)
+        np.testing.assert_array_equal(t1, t2)
+
+
+def test_lower_weight_accepts_more_greedy():
+    rng = np.random.default_rng(1)
+    b, k, v = 64, 4, 32
+    logits = jnp.asarray(rng.normal(size=(b, k + 1, v)), jnp.float32)
+    draft = jnp.asarray(rng.integers(0, v, size=(b, k)), jnp.int32)
+    valid = jnp.ones((b, k), bool)
+    ns = []
+    for w in (1.0, 0.7, 0.3):
+        ver = Diversed(weight=w)
+        n, nxt, _ = ver.verify(ver.init_state(b, 8), jax.random.key(0), draft, None, logits,
+                                Sampling(), valid)
+        ns.append(float(np.mean(n)))
+        # The correction token is argmax ν: the target's argmax (one-hot q at a rejected x).
+        top = np.asarray(jnp.argmax(logits, -1))
+        rej = np.asarray(n) < k
+        np.testing.assert_array_equal(np.asarray(nxt)[rej], top[np.arange(b), np.asarray(n)][rej])
+    assert ns[0] < ns[1] < ns[2], ns
+    # One-hot q: w < 0.5 accepts everything (1 − w > w·max p).
+    assert ns[2] == k
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_greedy_weight_one_identical_to_autoregressive(kind):
+    model, drafter = tiny_drafter(kind)
+    ids, lens = _pad(PROMPTS)
+    ar = jspec.generate(model, ids, lens, max_new_tokens=20)
+    for ver in (Diversed(weight=1.0), Diversed(head=_head_at(model, drafter, w=1.0))):
+        sp = jspec.generate(model, ids, lens, max_new_tokens=20, drafter=drafter,
+                            length=jspec.FixedLength(3), verifier=ver)
+        np.testing.assert_array_equal(sp.tokens, ar.tokens)
+
+
+def _head_at(model, drafter, w: float, kind="context") -> DiversedHead:
+    """A head whose weight is exactly w everywhere (zero kernel, bias logit(w))."""
+    head = DiversedHead.init(kind, drafter.hidden_size, model.config.hidden_size, model="tiny")
+    big = 40.0 if w == 1.0 else float(np.log(w / (1 - w)))
+    return DiversedHead(kernel=head.kernel, bias=jnp.asarray([0.0, big]), kind=head.kind,
+                        d_draft=head.d_draft, d_target=head.d_target, model="tiny")
+
+
+def test_context_head_at_half_equals_static_half_and_records():
+    model, drafter = tiny_drafter("eagle3")
+    ids, lens = _pad(PROMPTS)
+    s = Sampling(temperature=1.0)
+    head = DiversedHead.init("context", drafter.hidden_size, model.config.hidden_size)
+    run = functools.partial(jspec.generate, model, ids, lens, max_new_tokens=24, drafter=drafter,
+                            length=jspec.FixedLength(3), sampling=s, key=jax.random.key(5))
+    a = run(verifier=Diversed(weight=0.5))
+    b = run(verifier=Diversed(head=head, record=True))
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    st = jax.device_get(b.verifier)
+    np.testing.assert_array_equal(st.positions, a.verifier.positions)
+    lengths = np.asarray(b.lengths)
+    # Every relaxed token lies inside its row's output and was recorded with p, q in (0, 1].
+    n = st.relaxed.shape[1]
+    inside = np.arange(n)[None] < lengths[:, None]
+    assert st.relaxed[inside].sum() > 0
+    assert (st.p_y[st.relaxed] > 0).all() and (st.p_y[st.relaxed] <= 1 + 1e-6).all()
+    assert (st.q_y[st.relaxed] >= 0).all()
+    # The recorded tokens' head inputs are non-zero (drafter + target hidden states).
+    assert (np.abs(st.feats[st.relaxed]).sum(-1) > 0).all()
+    # The policy log-probability is differentiable in the head.
+    def lp(h):
+        return ensemble_logprob(h, 0.5, jnp.asarray(st.p_y), jnp.asarray(st.q_y),
+                                jnp.asarray(st.feats))[0][st.relaxed].sum()
+    g = jax.grad(lp)(head)
+    assert np.isfinite(np.asarray(g.kernel)).all() and np.abs(np.asarray(g.bias)).sum() > 0
+
+
+def test_head_arrays_do_not_recompile():
+    from jspec.decode import _generate
+    model, drafter = tiny_drafter("dflash")
+    ids, lens = _pad(PROMPTS)
+    s = Sampling(temperature=1.0)
+    run = functools.partial(jspec.generate, model, ids, lens, max_new_tokens=12, drafter=drafter,
+                            length=jspec.FixedLength(3), sampling=s)
+    run(verifier=Diversed(head=_head_at(model, drafter, 0.3)))
+    before = _generate._cache_size()
+    out = run(verifier=Diversed(head=_head_at(model, drafter, 0.9)))
+    assert _generate._cache_size() == before
+    assert np.asarray(out.lengths).min() > 0
+
+
+def test_head_save_load_and_mismatch(tmp_path):
+    model, drafter = tiny_drafter("eagle3")
+    head = _head_at(model, drafter, 0.7)
+    path = tmp_path / "h.safetensors"
+    head.save(path)
+    back = DiversedHead.load(path)
+    np.testing.assert_allclose(back.bias, head.bias)
+    assert (back.kind, back.d_draft, back.d_target) == ("context", head.d_draft, head.d_target)
+    ver = parse_verifier(f"diversed:head={path}")
+    assert isinstance(ver, Diversed) and ver.head is not None
+    # A head for another target: clear error at generate time.
+    other = DiversedHead.init("context", drafter.hidden_size, model.config.hidden_size + 8)
+    ids, lens = _pad(PROMPTS)
+    with pytest.raises(JspecError, match="target hidden size"):
+        jspec.generate(model, ids, lens, max_new_tokens=4, drafter=drafter,
+                       verifier=Diversed(head=other), sampling=Sampling(temperature=1.0))
+    # A context head with a drafter that has no hidden states.
+    with pytest.raises(JspecError, match="hidden states"):
+        jspec.generate(model, ids, lens, max_new_tokens=4, drafter=jspec.NGram(),
+                       verifier=Diversed(head=head), sampling=Sampling(temperature=1.0))
+    with pytest.raises(JspecError, match="not a DIVERSED head"):
+        from jspec.drafters.trained import save_drafter
+        save_drafter(tmp_path / "d.safetensors", drafter.cfg, dict(drafter.params),
+                     np.asarray(drafter.vocab_ids))
+        DiversedHead.load(tmp_path / "d.safetensors")
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("diversed:w=1.5", "in \\[0, 1\\]"), ("diversed:w=-0.1", "in \\[0, 1\\]"),
+    ("diversed:w=abc", "not a number"), ("diversed:x=1", "expected w=W or head=PATH"),
+    ("diversed:head=/nonexistent.safetensors", "not found")])
+def test_bad_specs(spec, match):
+    with pytest.raises(JspecError, match=match):
+        parse_verifier(spec)
+
+
+def test_parse_static():
+    assert parse_verifier("diversed:w=0.7") == Diversed(weight=0.7)
+    assert parse_verifier("diversed").weight == 0.5
+
+
+@pytest.mark.real
+def test_diversed_on_the_real_model(real_model):
+    """SmolLM2-135M with the shipped EAGLE-3 drafter, a held-out math prompt (batch of 4 rows):
+    w = 1 at T=0 is token-identical to autoregressive greedy; at T=1 (seeded, 4 rows x 48
+    tokens) w = 0.5 accepts a larger fraction of drafted tokens than lossless verification,
+    and its measured TV per token is positive while lossless's is zero."""
+    from jspec.prompts import load_prompt_set
+
+    drafter = jspec.load_drafter("smollm2-135m-eagle3", target=real_model)
+    ids = np.asarray([real_model.encode(load_prompt_set("math:1")[0]["text"])] * 4)
+    ar = jspec.generate(real_model, ids[:1], max_new_tokens=32)
+    sp = jspec.generate(real_model, ids[:1], max_new_tokens=32, drafter=drafter,
+                        length=jspec.FixedLength(4), verifier=Diversed(weight=1.0))
+    np.testing.assert_array_equal(np.asarray(sp.tokens), np.asarray(ar.tokens))
+    s = Sampling(temperature=1.0)
+    rates = {}
+    for w in (1.0, 0.5):
+        out = jspec.generate(real_model, ids, max_new_tokens=48, drafter=drafter,
+                             length=jspec.FixedLength(4), sampling=s, key=jax.random.key(3),
+                             verifier=Diversed(weight=w))
+        st = jax.device_get(out.stats)
+        rates[w] = st.accepted.sum() / st.drafted.sum()
+        tv = float(np.sum(out.verifier.tv_sum) / np.sum(out.verifier.positions))
+        assert (tv == 0.0) if w == 1.0 else (tv > 0.0)
+    assert rates[0.5] > rates[1.0] + 0.05, rates
