@@ -1,5 +1,6 @@
 """jspec: JAX-native speculative decoding."""
 
+from jspec import sharding
 from jspec.decode import GenerateOutput, SpecState, Stats, generate
 from jspec.drafters import DraftModel, NGram, load_drafter
 from jspec.errors import JspecError, ModelLoadError
@@ -11,4 +12,4 @@ from jspec.verify import ASD, Diversed, DiversedHead, Lossless
 __all__ = ["ASD", "Chain", "Diversed", "DiversedHead", "DraftModel", "FixedLength",
            "GenerateOutput", "JspecError", "KVCache", "Lossless", "Model", "ModelConfig",
            "ModelLoadError", "NGram", "Sampling", "SpecState", "Stats", "Tree", "Weights", "forward",
-           "generate", "load_drafter", "load_model"]
+           "generate", "load_drafter", "load_model", "sharding"]

@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "diversed[:w=W | :head=PATH] (w = weight on the target in w*p+(1-w)*q; "
                         "head = a learned weight from `python -m train diversed`). ASD and "
                         "DIVERSED are approximate: the output may differ from the target's")
+    g.add_argument("--mesh", help="DATAxMODEL, e.g. 1x8: run sharded on a device mesh (weights "
+                                  "over model by jspec.sharding.RULES; see docs/SCALING.md)")
     _add_sampling_args(g)
     _add_impl_args(g)
 
@@ -155,13 +157,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = _read_prompts(args)
     from jspec.verify import parse_verifier, with_acceptance_impl  # noqa: PLC0415
 
+    mesh = jspec.sharding.parse_mesh(args.mesh) if args.mesh else None
     if not args.drafter and (length is not None or args.verifier != "lossless"
                              or args.acceptance_impl != "xla"):
         raise JspecError("--k/--length/--verifier/--acceptance-impl need --drafter")
     verifier = with_acceptance_impl(parse_verifier(args.verifier), args.acceptance_impl)
     model = jspec.load_model(args.model, dtype=args.dtype).with_attention_impl(args.attention_impl)
+    if mesh is not None:  # place the weights once (not per prompt), before a drafter shares them
+        model = jspec.sharding.shard_model(model, mesh)
     drafter = jspec.load_drafter(args.drafter, target=model) if args.drafter else None
-    spec = dict(drafter=drafter, length=length, verifier=verifier if drafter else None)
+    if mesh is not None:
+        drafter = jspec.sharding.shard_drafter(drafter, mesh)
+    spec = dict(drafter=drafter, length=length, verifier=verifier if drafter else None, mesh=mesh)
     key = jax.random.key(args.seed)
     for i, text in enumerate(prompts):
         ids = model.encode(text, chat=not args.raw)

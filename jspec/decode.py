@@ -1,8 +1,10 @@
 """Decoding: the state carried between rounds, the round function and `generate`.
 
 Static (changing these recompiles): the model config, `Sampling`, drafter/verifier/length
-objects, `max_new_tokens`, the prompt-length bucket and the cache capacity.
+objects, `max_new_tokens`, the prompt-length bucket, the cache capacity and the mesh.
 Dynamic: weights, prompt ids and lengths, the PRNG key.
+Under a mesh (`jspec.sharding`), inputs are placed and the carried state is pinned to the
+rules-table layout; the round functions themselves are the single-device code.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
+from jspec import sharding
 from jspec.errors import JspecError
 from jspec.models.cache import KVCache
 from jspec.models.config import ModelConfig
@@ -316,20 +320,59 @@ def init_state(config: ModelConfig, weights: Weights, drafter: Any, prompt_ids: 
 
 # The verifier is a pytree argument (a learned DIVERSED head's arrays are leaves); Lossless and
 # ASD are registered static pytrees, so their settings still key the compilation cache.
-_STATIC = ("config", "sampling", "max_new_tokens", "capacity", "eos_ids", "k")
+_STATIC = ("config", "sampling", "max_new_tokens", "capacity", "eos_ids", "k", "mesh")
+
+
+def _pin_inputs(mesh: Mesh | None, config: ModelConfig, weights: Weights, drafter: Any,
+                verifier: Any, prompt_ids: jax.Array, prompt_lengths: jax.Array
+                ) -> tuple[Any, ...]:
+    """Under a mesh, constrain weights / drafter / verifier / prompts to their rule-table
+    shardings (a verifier's arrays, e.g. a DIVERSED head, are replicated)."""
+    if mesh is None:
+        return weights, drafter, verifier, prompt_ids, prompt_lengths
+    weights = sharding.constrain(weights, sharding.params_sharding(weights, mesh,
+                                                                   head_dim=config.head_dim))
+    if jax.tree.leaves(drafter):
+        drafter = sharding.constrain(drafter, sharding.params_sharding(
+            drafter, mesh, head_dim=sharding.head_dim_of(drafter)))
+    if jax.tree.leaves(verifier):
+        verifier = sharding.constrain(verifier, sharding.replicated(verifier, mesh))
+    b = prompt_ids.shape[0]
+    prompt_ids, prompt_lengths = sharding.constrain(
+        (prompt_ids, prompt_lengths),
+        sharding.state_sharding((prompt_ids, prompt_lengths), mesh, batch=b))
+    return weights, drafter, verifier, prompt_ids, prompt_lengths
+
+
+def _pin_state(mesh: Mesh | None, state: SpecState) -> SpecState:
+    """Under a mesh, keep the carried state in its rule-table layout (batch rows over `data`,
+    cache KV heads over `model`) from round to round."""
+    if mesh is None:
+        return state
+    return sharding.constrain(state, sharding.state_sharding(state, mesh,
+                                                             batch=state.last.shape[0]))
+
+
+def _pinned_round(mesh: Mesh | None, round_fn: Any) -> Any:
+    if mesh is None:
+        return round_fn
+    return lambda s: _pin_state(mesh, round_fn(s))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _generate(weights: Weights, drafter: Any, verifier: Any, prompt_ids: jax.Array,
               prompt_lengths: jax.Array, key: jax.Array, *, config: ModelConfig,
               sampling: Sampling, max_new_tokens: int, capacity: int,
-              eos_ids: tuple[int, ...], k: int) -> GenerateOutput:
+              eos_ids: tuple[int, ...], k: int, mesh: Mesh | None = None) -> GenerateOutput:
+    weights, drafter, verifier, prompt_ids, prompt_lengths = _pin_inputs(
+        mesh, config, weights, drafter, verifier, prompt_ids, prompt_lengths)
     state = init_state(config, weights, drafter, prompt_ids, prompt_lengths, key,
                        sampling=sampling, max_new_tokens=max_new_tokens, capacity=capacity,
                        eos_ids=eos_ids, k=k, verifier=verifier)
+    state = _pin_state(mesh, state)
     round_fn = make_round(config, weights, drafter, k=k, sampling=sampling, eos_ids=eos_ids,
                           verifier=verifier)
-    state = run_rounds(round_fn, state, max_new_tokens - 1)
+    state = run_rounds(_pinned_round(mesh, round_fn), state, max_new_tokens - 1)
     return GenerateOutput(tokens=state.tokens, lengths=state.num_new, stats=state.stats,
                           verifier=state.verifier)
 
@@ -337,18 +380,23 @@ def _generate(weights: Weights, drafter: Any, verifier: Any, prompt_ids: jax.Arr
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _init_jit(weights: Weights, drafter: Any, verifier: Any, prompt_ids: jax.Array,
               prompt_lengths: jax.Array, key: jax.Array, **statics: Any) -> SpecState:
-    return init_state(statics["config"], weights, drafter, prompt_ids, prompt_lengths, key,
-                      verifier=verifier, **{k: v for k, v in statics.items() if k != "config"})
+    mesh = statics.pop("mesh", None)
+    weights, drafter, verifier, prompt_ids, prompt_lengths = _pin_inputs(
+        mesh, statics["config"], weights, drafter, verifier, prompt_ids, prompt_lengths)
+    state = init_state(statics["config"], weights, drafter, prompt_ids, prompt_lengths, key,
+                       verifier=verifier, **{k: v for k, v in statics.items() if k != "config"})
+    return _pin_state(mesh, state)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "k", "rounds"),
+@functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "k", "rounds",
+                                             "mesh"),
                    donate_argnames=("state",))
 def _chunk_jit(weights: Weights, drafter: Any, verifier: Any, state: SpecState, *,
                config: ModelConfig, sampling: Sampling, eos_ids: tuple[int, ...], k: int,
-               rounds: int) -> SpecState:
+               rounds: int, mesh: Mesh | None = None) -> SpecState:
     round_fn = make_round(config, weights, drafter, k=k, sampling=sampling, eos_ids=eos_ids,
                           verifier=verifier)
-    return run_rounds(round_fn, state, rounds)
+    return run_rounds(_pinned_round(mesh, round_fn), state, rounds)
 
 
 def _is_concrete(x: Any) -> bool:
@@ -415,7 +463,8 @@ def pad_to_bucket(ids: jax.Array) -> jax.Array:
 def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, drafter: Any = None,
              max_new_tokens: int = 128, sampling: Sampling = Sampling(), verifier: Any = None,
              length: Any = None, key: jax.Array | None = None, capacity: int | None = None,
-             attention_impl: str | None = None) -> GenerateOutput:
+             attention_impl: str | None = None, mesh: Mesh | None = None
+             ) -> GenerateOutput:
     """Generate up to `max_new_tokens` tokens per prompt; works inside a user's `jax.jit`.
 
     Args:
@@ -429,9 +478,12 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, draft
       capacity: static KV-cache slots (default: prompt bucket + max_new_tokens, rounded up).
       attention_impl: "auto" | "xla" | "pallas": overrides `model.config.attention_impl` for the
         target's forward passes (a drafter keeps its own config).
+      mesh: static; run sharded on this `jax.sharding.Mesh` (axes "data" and "model", see
+        `jspec.sharding`); default: the mesh set with `jax.set_mesh`, if any, else one device.
+        Weights, drafter, prompts and the decode state are laid out by `jspec.sharding.RULES`.
     Returns:
       GenerateOutput: tokens i32[B, max_new_tokens] (-1 after each row's end), lengths i32[B],
-      stats.
+      stats. Under a mesh, arrays are sharded over `data` by row.
     """
     if not isinstance(sampling, Sampling):
         raise JspecError(f"sampling must be a jspec.Sampling, got {type(sampling).__name__}")
@@ -440,13 +492,32 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, draft
     ids, lengths = validate_prompts(model, prompt_ids, prompt_lengths, max_new_tokens, capacity)
     ids = pad_to_bucket(ids)
     key = jax.random.key(0) if key is None else key
-    statics = _statics(model, ids, drafter, sampling, max_new_tokens, verifier, length, capacity)
+    statics = _statics(model, ids, drafter, sampling, max_new_tokens, verifier, length, capacity,
+                       mesh)
     verifier = statics.pop("verifier")
-    return _generate(model.weights, drafter, verifier, ids, lengths, key, **statics)
+    with sharding.using(statics["mesh"]):
+        weights, drafter, verifier, ids, lengths, key = _place_inputs(
+            statics["mesh"], model, drafter, verifier, ids, lengths, key)
+        return _generate(weights, drafter, verifier, ids, lengths, key, **statics)
+
+
+def _place_inputs(mesh: Mesh | None, model: Model, drafter: Any, verifier: Any, ids: jax.Array,
+                  lengths: jax.Array, key: jax.Array) -> tuple[Any, ...]:
+    """Transfer the inputs to their mesh layout once, before the jitted call (a no-op for
+    arrays already placed, e.g. with `jspec.sharding.shard_model`)."""
+    if mesh is None:
+        return model.weights, drafter, verifier, ids, lengths, key
+    weights = sharding.shard_model(model, mesh).weights
+    drafter = sharding.shard_drafter(drafter, mesh)
+    verifier = sharding.place(verifier, sharding.replicated(verifier, mesh))
+    ids, lengths, key = sharding.place((ids, lengths, key), sharding.state_sharding(
+        (ids, lengths, key), mesh, batch=ids.shape[0]))
+    return weights, drafter, verifier, ids, lengths, key
 
 
 def _statics(model: Model, ids: jax.Array, drafter: Any, sampling: Sampling, max_new_tokens: int,
-             verifier: Any, length: Any, capacity: int | None) -> dict[str, Any]:
+             verifier: Any, length: Any, capacity: int | None, mesh: Mesh | None = None
+             ) -> dict[str, Any]:
     from jspec.length import FixedLength  # noqa: PLC0415
     from jspec.verify import ASD, Diversed, Lossless  # noqa: PLC0415
 
@@ -470,33 +541,40 @@ def _statics(model: Model, ids: jax.Array, drafter: Any, sampling: Sampling, max
         raise JspecError(f"prompt width {ids.shape[1]} + max_new_tokens {max_new_tokens} + a "
                          f"verify block of {k + 1} does not fit the cache capacity {cap}")
     return dict(config=model.config, sampling=sampling, max_new_tokens=max_new_tokens,
-                capacity=cap, eos_ids=model.eos_ids, k=k, verifier=verifier)
+                capacity=cap, eos_ids=model.eos_ids, k=k, verifier=verifier,
+                mesh=sharding.resolve_mesh(mesh))
 
 
 def stream(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, drafter: Any = None,
            max_new_tokens: int = 128, sampling: Sampling = Sampling(), verifier: Any = None,
            length: Any = None, key: jax.Array | None = None, rounds_per_dispatch: int = 8,
-           attention_impl: str | None = None):
+           attention_impl: str | None = None, mesh: Mesh | None = None):
     """Yield (tokens i32[B, N], num_new i32[B], stats, all_done) after each dispatch.
 
     The same rounds as `generate`, `rounds_per_dispatch` of them per device dispatch; the host
     reads the state once per dispatch (not per token), which lets a terminal show text as it
-    is produced. `attention_impl` as in `generate`.
+    is produced. `attention_impl` and `mesh` as in `generate`.
     """
     if attention_impl is not None:
         model = model.with_attention_impl(attention_impl)
     ids, lengths = validate_prompts(model, prompt_ids, prompt_lengths, max_new_tokens, capacity=None)
     ids = pad_to_bucket(ids)
     key = jax.random.key(0) if key is None else key
-    statics = _statics(model, ids, drafter, sampling, max_new_tokens, verifier, length, None)
+    statics = _statics(model, ids, drafter, sampling, max_new_tokens, verifier, length, None,
+                       mesh)
     verifier = statics.pop("verifier")
-    state = _init_jit(model.weights, drafter, verifier, ids, lengths, key, **statics)
-    loop_statics = {k: statics[k] for k in ("config", "sampling", "eos_ids", "k")}
+    mesh = statics["mesh"]
+    with sharding.using(mesh):
+        weights, drafter, verifier, ids, lengths, key = _place_inputs(
+            mesh, model, drafter, verifier, ids, lengths, key)
+        state = _init_jit(weights, drafter, verifier, ids, lengths, key, **statics)
+    loop_statics = {k: statics[k] for k in ("config", "sampling", "eos_ids", "k", "mesh")}
     while True:
         tokens, num_new, done, st = jax.device_get(
             (state.tokens, state.num_new, state.done, state.stats))
         yield tokens, num_new, st, bool(done.all())
         if done.all():
             return
-        state = _chunk_jit(model.weights, drafter, verifier, state, rounds=rounds_per_dispatch,
-                           **loop_statics)
+        with sharding.using(mesh):
+            state = _chunk_jit(weights, drafter, verifier, state, rounds=rounds_per_dispatch,
+                               **loop_statics)

@@ -37,6 +37,9 @@ TINY_VARIANTS = {
     "qwen3_qknorm": ModelConfig(arch="qwen3", vocab_size=97, hidden_size=32, num_layers=2,
                                 num_heads=4, num_kv_heads=2, head_dim=16, ffn_size=48,
                                 qk_norm=True, eos_ids=(1,)),
+    # Sharding tests: heads, KV heads, MLP and vocabulary divisible by 8 (every mesh axis shards).
+    "mesh_gqa": ModelConfig(arch="llama", vocab_size=128, hidden_size=32, num_layers=2,
+                            num_heads=16, num_kv_heads=8, head_dim=8, ffn_size=64, eos_ids=(1,)),
 }
 
 

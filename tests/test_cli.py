@@ -25,6 +25,8 @@ from jspec.cli import main
     (["generate", "--prompt", "hi", "--acceptance-impl", "pallas"], "--drafter"),
     (["generate", "--prompt", "hi", "--drafter", "ngram", "--verifier", "asd",
       "--acceptance-impl", "pallas"], "lossless and DIVERSED verifiers only"),
+    (["generate", "--prompt", "hi", "--mesh", "2x"], "DATAxMODEL"),
+    (["generate", "--prompt", "hi", "--mesh", "16x16"], "devices"),
 ])
 def test_bad_input_is_a_clear_error(argv, match, capsys):
     assert main(argv) == 2
@@ -88,3 +90,22 @@ def test_real_json_output_and_drafter(real_model, tmp_path):
         outs.append(rec)
     assert outs[0]["token_ids"] == outs[1]["token_ids"]
     assert outs[1]["rounds"] <= outs[0]["rounds"]
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_real_generate_on_a_mesh_equals_one_device(real_model, tmp_path):
+    """`--mesh 1x8` on 8 fake CPU devices (SmolLM2: 9 heads stay replicated, MLP and vocabulary
+    are split 8 ways): the same greedy tokens as one device."""
+    from test_sharding import eight_device_env
+
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "What is the capital of France?"}) + "\n")
+    outs = []
+    for extra in ([], ["--mesh", "1x8"]):
+        proc = subprocess.run([sys.executable, "-m", "jspec", "generate", "--prompts-file", str(f),
+                               "--json", "--max-new-tokens", "12", "--drafter", "ngram", *extra],
+                              capture_output=True, text=True, timeout=1200, env=eight_device_env())
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs.append(json.loads(proc.stdout.strip().splitlines()[-1])["token_ids"])
+    assert outs[0] == outs[1]

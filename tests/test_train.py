@@ -108,6 +108,28 @@ def test_training_smoke_and_loadable(tiny_data, kind):
     np.testing.assert_array_equal(sp.tokens, ar.tokens)
 
 
+def test_training_on_a_mesh_matches_one_device(tiny_data):
+    """`--mesh 2x4` on 8 fake CPU devices: the same per-step losses as one device (3 steps,
+    rtol 1e-4), and a loadable drafter."""
+    from test_sharding import eight_device_env
+
+    tmp, _ = tiny_data
+    logs = []
+    for name, extra in (("one", []), ("mesh", ["--mesh", "2x4"])):
+        out = tmp / f"mesh-{name}"
+        r = subprocess.run([sys.executable, "-m", "train",
+                            *_train_args(tmp, "dflash", out, 3, ["--eval-every", "0", *extra])],
+                           cwd=ROOT, env=eight_device_env(), capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+        logs.append([json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()])
+    assert "mesh {'data': 2, 'model': 4}" in r.stdout
+    np.testing.assert_allclose([x["loss"] for x in logs[1]], [x["loss"] for x in logs[0]],
+                               rtol=1e-4)
+    load_drafter_file(tmp / "mesh-mesh" / "dflash.safetensors")
+    r = _run(_train_args(tmp, "dflash", tmp / "bad", 1, ["--mesh", "3x3"]))
+    assert r.returncode != 0 and "needs 9 devices" in r.stderr
+
+
 def test_sigkill_then_resume_equals_uninterrupted_run(tiny_data):
     tmp, _ = tiny_data
     steps = 400

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import glob
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
+from jspec import sharding
 from jspec.drafters import dflash, eagle3
 from jspec.drafters.trained import (
     FROZEN,
@@ -40,6 +43,7 @@ from jspec.drafters.trained import (
     save_drafter,
     verify_head,
 )
+from jspec.errors import JspecError
 from train.datagen import load_shard
 
 
@@ -261,12 +265,58 @@ def forward_blocks(kind: str, cfg: DrafterConfig, params: Params, frozen: dict[s
     return flat(logits), flat(t_logits), flat(hard), flat(valid), flat(vh)
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "cfg", "tx", "vat_head", "vat_weight"),
+def batch_sharding(mesh: Mesh, batch: dict[str, Any]) -> dict[str, NamedSharding]:
+    """Rows of every batch array over `data` (the rules table's `batch`), the rest replicated."""
+    return sharding.state_sharding(batch, mesh, batch=len(batch["lens"]))
+
+
+def shard_for_training(mesh: Mesh, cfg: DrafterConfig, params: Params, opt_state: Any,
+                       frozen: dict[str, Any], batch: dict[str, Any] | None = None
+                       ) -> tuple[Any, ...]:
+    """Place the training inputs on `mesh` through the rules table.
+
+    Parameters and optimizer moments: heads / KV heads / MLP over `model` (by parameter name);
+    the frozen target embedding and draft head: vocabulary over `model`; the batch: rows over
+    `data`. Multi-host safe (every process holds the same full batch: batches are a function
+    of (seed, step)).
+
+    Returns:
+      (params, opt_state, frozen[, batch]) placed.
+    """
+    out = (sharding.place(params, sharding.params_sharding(params, mesh, head_dim=cfg.head_dim)),
+           sharding.place(opt_state, sharding.params_sharding(opt_state, mesh,
+                                                              head_dim=cfg.head_dim)),
+           sharding.place(frozen, sharding.params_sharding(frozen, mesh)))
+    if batch is not None:
+        out = (*out, sharding.place(batch, batch_sharding(mesh, batch)))
+    return out
+
+
+def _to_device(mesh: Mesh | None, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    if mesh is None:
+        return {k: jnp.asarray(v) for k, v in batch.items()}
+    return sharding.place(batch, batch_sharding(mesh, batch))
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "cfg", "tx", "vat_head", "vat_weight", "mesh"),
                    donate_argnames=("params", "opt_state"))
 def train_step(params: Params, opt_state: Any, frozen: dict[str, jax.Array],
                batch: dict[str, jax.Array], *, kind: str, cfg: DrafterConfig, tx: Any,
-               vat_head: bool, vat_weight: bool) -> tuple[Params, Any, dict[str, jax.Array]]:
+               vat_head: bool, vat_weight: bool, mesh: Mesh | None = None
+               ) -> tuple[Params, Any, dict[str, jax.Array]]:
+    """One optimizer step. `mesh` (static): keep params / moments / batch in their rules-table
+    layout (`shard_for_training`); the gradient all-reduce over `data` is the compiler's."""
     import optax  # noqa: PLC0415
+
+    def pin(p, o):
+        if mesh is None:
+            return p, o
+        return (sharding.constrain(p, sharding.params_sharding(p, mesh, head_dim=cfg.head_dim)),
+                sharding.constrain(o, sharding.params_sharding(o, mesh, head_dim=cfg.head_dim)))
+
+    params, opt_state = pin(params, opt_state)
+    if mesh is not None:
+        batch = sharding.constrain(batch, batch_sharding(mesh, batch))
 
     def loss_fn(p):
         out = forward_blocks(kind, cfg, p, frozen, batch)
@@ -276,6 +326,7 @@ def train_step(params: Params, opt_state: Any, frozen: dict[str, jax.Array],
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     metrics["grad_norm"] = optax.global_norm(grads)
+    params, opt_state = pin(params, opt_state)
     return params, opt_state, metrics
 
 
@@ -318,7 +369,7 @@ def batch_for_step(args: argparse.Namespace, rows: Rows, plan: list, step: int,
     return b
 
 
-def evaluate(args, rows, plan, feat_idx, cfg, params, frozen) -> dict[str, float]:
+def evaluate(args, rows, plan, feat_idx, cfg, params, frozen, mesh=None) -> dict[str, float]:
     acc: dict[str, list[float]] = {}
     for j in range(len(plan)):
         seq, idx = plan[j]
@@ -330,8 +381,7 @@ def evaluate(args, rows, plan, feat_idx, cfg, params, frozen) -> dict[str, float
         else:
             b["pos"], b["valid"] = sample_positions(rng, b["lens"], b["plens"], args.anchors, 0,
                                                     2)
-        m = eval_step(params, frozen, {k: jnp.asarray(v) for k, v in b.items()}, kind=cfg.kind,
-                      cfg=cfg)
+        m = eval_step(params, frozen, _to_device(mesh, b), kind=cfg.kind, cfg=cfg)
         for k, v in m.items():
             acc.setdefault(k, []).append(float(v))
     return {k: float(np.mean(v)) for k, v in acc.items()}
@@ -346,6 +396,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.vat:
         args.vat_head = args.vat_weight = True
+    if args.distributed:  # one process per host; coordinator and ranks from the environment
+        jax.distributed.initialize()
+    try:
+        mesh = sharding.parse_mesh(args.mesh) if args.mesh else None
+    except JspecError as e:
+        raise SystemExit(f"error: {e}") from e
+    writer = jax.process_index() == 0  # multi-host: one process writes the log and the file
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     target = load_model(args.model)
@@ -395,6 +452,10 @@ def run(args: argparse.Namespace) -> int:
     tx = optax.chain(optax.clip_by_global_norm(args.clip),
                      optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=args.weight_decay))
     opt_state = tx.init(params)
+    if mesh is not None:  # before a restore, which then fills the placed layout
+        params, opt_state, frozen = shard_for_training(mesh, cfg, params, opt_state, frozen)
+        print(f"mesh {dict(mesh.shape)}: batch rows over data, heads / MLP / vocabulary over "
+              "model", flush=True)
     mngr = ocp.CheckpointManager(out / "ckpt", options=ocp.CheckpointManagerOptions(
         max_to_keep=2, save_interval_steps=args.ckpt_every))
     step = 0
@@ -404,17 +465,16 @@ def run(args: argparse.Namespace) -> int:
         restored = mngr.restore(step, args=ocp.args.StandardRestore(abstract))
         params, opt_state = restored["params"], restored["opt_state"]
         print(f"resumed from the checkpoint at step {step}", flush=True)
-    log = open(out / "log.jsonl", "a")  # noqa: SIM115 (closed at the end; flushed per step)
+    log = open(out / "log.jsonl" if writer else os.devnull, "a")  # noqa: SIM115 (closed at the end)
     statics = dict(kind=cfg.kind, cfg=cfg, tx=tx, vat_head=args.vat_head,
-                   vat_weight=args.vat_weight)
+                   vat_weight=args.vat_weight, mesh=mesh)
     bar = tqdm(range(step, args.steps), initial=step, total=args.steps, unit="step",
                dynamic_ncols=True)
     t0 = time.perf_counter()
     ema: dict[str, float] = {}
     for step in bar:
         batch = batch_for_step(args, rows, plan, step, feat_idx, cfg)
-        params, opt_state, m = train_step(params, opt_state, frozen,
-                                          {k: jnp.asarray(v) for k, v in batch.items()},
+        params, opt_state, m = train_step(params, opt_state, frozen, _to_device(mesh, batch),
                                           **statics)
         m = {k: float(v) for k, v in m.items()}
         for k, v in m.items():
@@ -424,7 +484,7 @@ def run(args: argparse.Namespace) -> int:
         rec = {"step": step + 1, **m, "time": time.perf_counter() - t0}
         done = step + 1
         if args.eval_every and (done % args.eval_every == 0 or done == args.steps):
-            ev = evaluate(args, held, held_plan, feat_idx, cfg, params, frozen)
+            ev = evaluate(args, held, held_plan, feat_idx, cfg, params, frozen, mesh)
             rec.update({f"heldout_{k}": v for k, v in ev.items()})
             bar.write(f"step {done}: held-out tau_sim {ev['tau_sim']:.3f} acc1 {ev['acc1']:.3f}")
         log.write(json.dumps(rec) + "\n")
@@ -437,6 +497,12 @@ def run(args: argparse.Namespace) -> int:
                                                           "opt_state": opt_state}), force=True)
         mngr.wait_until_finished()
     final = out / f"{args.name or cfg.kind}.safetensors"
+    if jax.process_count() > 1:  # shards on other hosts: gather the full arrays everywhere
+        from jax.experimental import multihost_utils  # noqa: PLC0415
+
+        params = multihost_utils.process_allgather(params, tiled=True)
+    if not writer:
+        return 0
     save_drafter(final, cfg, {**params, **stats}, vocab, dtype="float32" if args.f32 else "bfloat16")
     size = final.stat().st_size / 2**20
     print(f"wrote {final} ({size:.1f} MiB) after {args.steps} steps", flush=True)
@@ -488,5 +554,12 @@ def add_parsers(sub: Any) -> None:
                        help="held-out simulated τ every N steps and at the end (0: never)")
         p.add_argument("--eval-batches", type=int, default=8, help="held-out batches per eval")
         p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--mesh", default="",
+                       help="DATAxMODEL, e.g. 2x4: train on a device mesh (batch rows over data; "
+                            "heads, MLP, vocabulary over model; jspec.sharding.RULES). Needs "
+                            "DATA*MODEL devices (all hosts together)")
+        p.add_argument("--distributed", action="store_true",
+                       help="call jax.distributed.initialize() first (multi-host: run the same "
+                            "command on every host; see docs/SCALING.md)")
         p.add_argument("--f32", action="store_true",
                        help="write the drafter in float32 (default bfloat16, half the size)")

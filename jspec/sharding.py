@@ -1,0 +1,447 @@
+"""Sharding on a device mesh: one table of logical axis names drives every layout.
+
+Every array jspec shards is described by *logical* axis names, one per dimension (`("embed",
+"heads")` for a q projection, `("batch", "seq", "kv_heads", "head_dim")` for a KV-cache buffer).
+`RULES` maps each logical name to a mesh axis (or None: replicated). Nothing else in jspec names a
+mesh axis: target weights, drafter weights, KV caches, the decode state, training batches and the
+`shard_map` specs of kernels all resolve through this one table.
+
+Mesh axes: `data` (batch rows) and `model` (heads, KV heads, MLP width, vocabulary: Megatron-style
+tensor parallelism; the residual stream `embed` stays replicated). Parameters get their logical
+axes from `PARAM_AXES` by leaf name; per-row state from `STATE_AXES` by leaf name, else
+`("batch", None, ...)` when the leading dimension is the batch; anything else is replicated.
+Kernels (Pallas calls) run per device through `shard_kernel` / `shard_map`, specs from `RULES`.
+
+Axis types: jspec builds and uses meshes with `AxisType.Auto` (GSPMD/Shardy propagation), not the
+`Explicit` default of `jax.make_mesh`. jspec places its inputs with `NamedSharding`s and pins the
+carried decode state with `with_sharding_constraint`; the compiler partitions the model code in
+between, which therefore stays the same code that runs on one device (no `out_sharding=` on
+every einsum). A mesh built with Explicit axes is accepted and converted (same devices, same
+names, Auto types) by `auto_mesh`.
+
+The divisibility rule: a logical axis is sharded over its mesh axis only when the mesh axis size
+divides the array dimension — and, for the flattened head dimensions of projection weights
+(`H*hd`), divides the number of heads, so that no head is split across devices. Otherwise that
+dimension is replicated (correct, only less memory-efficient). Example: SmolLM2-135M (9 heads,
+3 KV heads) on `model=8` keeps q/k/v/o replicated and shards MLP (1536) and vocabulary (49152).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jspec.errors import JspecError
+
+__all__ = ["DATA", "MODEL", "PARAM_AXES", "RULES", "STATE_AXES", "Axes", "auto_mesh", "constrain",
+           "head_dim_of", "logical_spec", "make_mesh", "named", "param_specs", "params_sharding",
+           "parse_mesh", "per_device_bytes", "place", "replicated", "resolve_mesh", "shard_drafter",
+           "shard_kernel", "shard_map", "shard_model", "state_sharding", "state_specs", "using"]
+
+DATA = "data"  # mesh axis for batch rows (data parallelism)
+MODEL = "model"  # mesh axis for heads / MLP / vocabulary (tensor parallelism)
+
+Axes = tuple[str | None, ...]  # one logical axis name (or None) per array dimension
+
+# The one table: logical axis name -> mesh axis name (None: replicated).
+RULES: tuple[tuple[str, str | None], ...] = (
+    ("batch", DATA),
+    ("heads", MODEL),  # query heads (flattened H*hd in weights)
+    ("kv_heads", MODEL),  # key/value heads (weights and KV caches)
+    ("mlp", MODEL),  # MLP hidden width
+    ("vocab", MODEL),  # embedding rows, LM-head columns, draft-vocabulary head rows
+    ("embed", None),  # the residual stream (hidden size D): replicated
+    ("seq", None),  # cache slots / sequence positions
+    ("head_dim", None),
+)
+
+# Parameters (target weights, draft-model weights, trained-drafter params, optimizer moments),
+# by leaf name. Matrices are (in, out). Names not listed are replicated (norms, small vectors).
+PARAM_AXES: dict[str, Axes] = {
+    "embed": ("vocab", "embed"),  # [V, D]
+    "lm_head": ("embed", "vocab"),  # [D, V]
+    "head": ("vocab", "embed"),  # [Vd, D] a trained drafter's draft-vocabulary head
+    "wq": ("embed", "heads"),  # [D, H*hd]
+    "wk": ("embed", "kv_heads"),  # [D, KV*hd]
+    "wv": ("embed", "kv_heads"),
+    "wo": ("heads", "embed"),  # [H*hd, D]
+    "bq": ("heads",),
+    "bk": ("kv_heads",),
+    "bv": ("kv_heads",),
+    "w_gate": ("embed", "mlp"),  # [D, F]
+    "w_up": ("embed", "mlp"),
+    "w_down": ("mlp", "embed"),  # [F, D]
+}
+_FLATTENED_HEADS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv")  # dims of size heads * head_dim
+
+# Decode state and training batches, by leaf name. Other arrays whose leading dimension is the
+# batch are ("batch", None, ...); everything else (PRNG key, scalars) is replicated.
+STATE_AXES: dict[str, Axes] = {
+    "k": ("batch", "seq", "kv_heads", "head_dim"),  # KVCache buffers [B, S, KV, hd]
+    "v": ("batch", "seq", "kv_heads", "head_dim"),
+    "ck": ("batch", "seq", "kv_heads", "head_dim"),  # trained drafters' own K/V [B, C, KV, hd]
+    "cv": ("batch", "seq", "kv_heads", "head_dim"),
+}
+
+
+# ----------------------------------------------------------------------------- meshes
+def make_mesh(data: int, model: int, *, devices: Any = None) -> Mesh:
+    """A `(data, model)` mesh with Auto axis types over `data * model` devices.
+
+    Args:
+      data: size of the `data` axis (batch rows).
+      model: size of the `model` axis (heads / MLP / vocabulary).
+      devices: default `jax.devices()` (all devices of all processes); their number must be
+        `data * model`.
+    Returns:
+      a `jax.sharding.Mesh` with axes ("data", "model"), both `AxisType.Auto`.
+    """
+    devs = jax.devices() if devices is None else list(devices)
+    if data < 1 or model < 1 or data * model != len(devs):
+        raise JspecError(f"a {data}x{model} mesh needs {data * model} devices, there are "
+                         f"{len(devs)} (jax.devices()); on CPU, fake devices come from "
+                         "XLA_FLAGS=--xla_force_host_platform_device_count=N")
+    return jax.make_mesh((data, model), (DATA, MODEL), axis_types=(AxisType.Auto,) * 2,
+                         devices=devs)
+
+
+def parse_mesh(spec: str) -> Mesh:
+    """`"DATAxMODEL"` (e.g. `"2x4"`; the command lines' `--mesh`) -> `make_mesh(DATA, MODEL)`."""
+    parts = spec.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise JspecError(f"--mesh must be DATAxMODEL, e.g. 2x4, got {spec!r}")
+    return make_mesh(int(parts[0]), int(parts[1]))
+
+
+def auto_mesh(mesh: Mesh) -> Mesh:
+    """The same devices and axis names with every axis `AxisType.Auto` (see the module doc)."""
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def resolve_mesh(mesh: Mesh | None) -> Mesh | None:
+    """`mesh`, else the mesh set with `jax.set_mesh` (if any), as an Auto-typed mesh; or None."""
+    if mesh is None:
+        if _inside_trace():  # inside a user's jit: only the abstract context mesh is visible
+            _check_not_explicit()
+            return None
+        ctx = jax.sharding.get_mesh()
+        mesh = None if ctx.empty else ctx
+    if mesh is None:
+        return None
+    if not isinstance(mesh, Mesh):
+        raise JspecError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if not {DATA, MODEL} & set(mesh.axis_names):
+        raise JspecError(f"jspec shards over mesh axes named {DATA!r} and {MODEL!r} "
+                         f"(jspec.sharding.make_mesh); this mesh has {mesh.axis_names}")
+    return auto_mesh(mesh)
+
+
+def _inside_trace() -> bool:
+    """True inside `jit` (or any trace); `jax.sharding.get_mesh` only works outside one."""
+    try:
+        jax.sharding.get_mesh()
+    except ValueError:
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def using(mesh: Mesh | None) -> Iterator[None]:
+    """Trace jspec's jitted functions under `mesh` (Auto axes) as the context mesh.
+
+    Outside `jit` this is `jax.set_mesh(mesh)`, which also overrides a user's Explicit context
+    mesh (whose sharding-in-types would otherwise apply to jspec's model code) and lets model
+    code find the mesh (`shard_kernel`). Inside a user's `jit` the context cannot change: an
+    Explicit context mesh is then an error with a remedy.
+    """
+    if mesh is None:
+        yield
+        return
+    if not _inside_trace():
+        with jax.set_mesh(mesh):
+            yield
+        return
+    _check_not_explicit()
+    yield
+
+
+def _check_not_explicit() -> None:
+    ctx = jax.sharding.get_abstract_mesh()
+    if not ctx.empty and any(t == AxisType.Explicit for t in ctx.axis_types):
+        raise JspecError("jspec runs its model code with Auto mesh axes; inside your own jit, "
+                         "call it under a mesh built with axis_types=(AxisType.Auto, ...) "
+                         "(jspec.sharding.make_mesh) and pass mesh=, or wrap the call in "
+                         "jax.sharding.auto_axes")
+
+
+# ----------------------------------------------------------------------------- specs
+def logical_spec(axes: Axes, shape: tuple[int, ...], mesh: Mesh | AbstractMesh,
+                 rules: tuple[tuple[str, str | None], ...] = RULES,
+                 units: Mapping[str, int] | None = None) -> PartitionSpec:
+    """The PartitionSpec of an array from its logical axes, under the divisibility rule.
+
+    Args:
+      axes: one logical name (or None) per dimension of `shape`.
+      shape: the array's shape.
+      mesh: a Mesh or AbstractMesh (only axis names and sizes are read).
+      rules: logical name -> mesh axis (default `RULES`).
+      units: logical name -> elements per unit (e.g. {"heads": head_dim} for a flattened
+        H*hd dimension): the mesh axis must divide the number of units.
+    Returns:
+      PartitionSpec with a mesh axis where the rule applies, None elsewhere. A mesh axis is used
+      at most once; mesh axes the mesh does not have are treated as size 1 (replicated).
+    """
+    if len(axes) != len(shape):
+        raise JspecError(f"logical axes {axes} do not match shape {shape}")
+    table = dict(rules)
+    sizes = dict(mesh.shape)
+    used: set[str] = set()
+    out: list[str | None] = []
+    for name, dim in zip(axes, shape, strict=True):
+        target = table.get(name) if name is not None else None
+        unit = (units or {}).get(name, 1) if name is not None else 1
+        m = sizes.get(target, 1) if target is not None else 1
+        ok = (target is not None and m > 1 and target not in used and dim % unit == 0
+              and (dim // unit) % m == 0)
+        out.append(target if ok else None)
+        if ok:
+            used.add(target)
+    while out and out[-1] is None:
+        out.pop()
+    return PartitionSpec(*out)
+
+
+def _leaf_name(path: tuple[Any, ...]) -> str:
+    """The innermost field / dict-key name on a pytree path ("l0.wq" -> "wq")."""
+    for entry in reversed(path):
+        if isinstance(entry, jax.tree_util.GetAttrKey):
+            return entry.name
+        if isinstance(entry, jax.tree_util.DictKey) and isinstance(entry.key, str):
+            return entry.key.rsplit(".", 1)[-1]
+    return ""
+
+
+def param_specs(tree: Any, mesh: Mesh | AbstractMesh, *, head_dim: int | None = None,
+                rules: tuple[tuple[str, str | None], ...] = RULES) -> Any:
+    """PartitionSpecs (same pytree structure) of parameters: `PARAM_AXES` by leaf name.
+
+    Args:
+      tree: weights, drafter params or optimizer state (arrays or ShapeDtypeStructs).
+      mesh: Mesh or AbstractMesh.
+      head_dim: the head size of the flattened head dimensions (so no head is split); None
+        checks the dimension only.
+    Returns:
+      a pytree of PartitionSpec.
+    """
+    units = {"heads": head_dim, "kv_heads": head_dim} if head_dim else None
+
+    def spec(path, a):
+        name = _leaf_name(path)
+        axes = PARAM_AXES.get(name)
+        if axes is None or len(axes) != a.ndim:
+            return PartitionSpec()
+        return logical_spec(axes, a.shape, mesh, rules, units if name in _FLATTENED_HEADS else None)
+
+    return jax.tree_util.tree_map_with_path(spec, tree)
+
+
+def state_specs(tree: Any, mesh: Mesh | AbstractMesh, *, batch: int,
+                rules: tuple[tuple[str, str | None], ...] = RULES) -> Any:
+    """PartitionSpecs of per-row state (decode state, caches, batches): `STATE_AXES` by leaf
+    name, else ("batch", None, ...) for arrays whose leading dimension is `batch`, else replicated.
+    """
+    def spec(path, a):
+        axes = STATE_AXES.get(_leaf_name(path))
+        if axes is None or len(axes) != a.ndim:
+            if a.ndim >= 1 and a.shape[0] == batch:
+                axes = ("batch",) + (None,) * (a.ndim - 1)
+            else:
+                return PartitionSpec()
+        return logical_spec(axes, a.shape, mesh, rules)
+
+    return jax.tree_util.tree_map_with_path(spec, tree)
+
+
+def replicated(tree: Any, mesh: Mesh) -> Any:
+    """NamedShardings that replicate every array of `tree` on `mesh`."""
+    return jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), tree)
+
+
+def named(mesh: Mesh, specs: Any) -> Any:
+    """PartitionSpecs -> NamedShardings on `mesh` (same pytree structure)."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+# ----------------------------------------------------------------------------- placement
+def _put(x: Any, s: NamedSharding) -> Any:
+    if isinstance(x, jax.core.Tracer):
+        return jax.lax.with_sharding_constraint(x, s)
+    if isinstance(x, jax.Array) and x.sharding == s:
+        return x
+    if s.is_fully_addressable:
+        return jax.device_put(x, s)
+    # Multi-host: every process holds the full value and contributes the shards its own devices
+    # own (a device_put of a host array to devices of other processes is not allowed).
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = _put(jax.random.key_data(x), NamedSharding(s.mesh, PartitionSpec()))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, s, lambda idx: host[idx])
+
+
+def place(tree: Any, shardings: Any) -> Any:
+    """Put each array of `tree` on its NamedSharding (pytree of the same structure).
+
+    Concrete arrays are transferred (a no-op when already placed; multi-host safe); traced
+    values (inside a user's `jit`) get a `with_sharding_constraint` instead.
+    """
+    return jax.tree.map(_put, tree, shardings)
+
+
+def constrain(tree: Any, shardings: Any) -> Any:
+    """`with_sharding_constraint` on every array of `tree` (inside `jit`)."""
+    return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
+
+
+def head_dim_of(obj: Any) -> int | None:
+    """The head size of a drafter's config (`cfg` or `config`), if it has one."""
+    cfg = getattr(obj, "cfg", None) or getattr(obj, "config", None)
+    return getattr(cfg, "head_dim", None)
+
+
+def params_sharding(tree: Any, mesh: Mesh, *, head_dim: int | None = None) -> Any:
+    """NamedShardings for a parameter pytree (`param_specs` on `mesh`)."""
+    return named(mesh, param_specs(tree, mesh, head_dim=head_dim))
+
+
+def state_sharding(tree: Any, mesh: Mesh, *, batch: int) -> Any:
+    """NamedShardings for a per-row state pytree (`state_specs` on `mesh`)."""
+    return named(mesh, state_specs(tree, mesh, batch=batch))
+
+
+def shard_model(model: Any, mesh: Mesh) -> Any:
+    """The model with its weights placed on `mesh` by the rules (do it once, then generate)."""
+    mesh = resolve_mesh(mesh)
+    w = place(model.weights, params_sharding(model.weights, mesh, head_dim=model.config.head_dim))
+    return dataclasses.replace(model, weights=w)
+
+
+def shard_drafter(drafter: Any, mesh: Mesh) -> Any:
+    """A drafter with its arrays (weights / params, shared embedding, head) placed on `mesh`.
+
+    Drafters without arrays (n-gram) are returned as they are.
+    """
+    if drafter is None or not jax.tree.leaves(drafter):
+        return drafter
+    mesh = resolve_mesh(mesh)
+    return place(drafter, params_sharding(drafter, mesh, head_dim=head_dim_of(drafter)))
+
+
+# ----------------------------------------------------------------------------- accounting
+def per_device_bytes(tree: Any, specs: Any, mesh: Mesh | AbstractMesh) -> int:
+    """Bytes one device holds of `tree` (arrays or ShapeDtypeStructs) laid out by `specs`.
+
+    Each dimension is divided by the product of the mesh axes its PartitionSpec entry names
+    (no allocation: works on `jax.eval_shape` output and an AbstractMesh).
+    """
+    sizes = dict(mesh.shape)
+    total = 0
+    leaves = jax.tree.leaves(tree)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    if len(leaves) != len(spec_leaves):
+        raise JspecError("specs do not match the tree")
+    for a, s in zip(leaves, spec_leaves, strict=True):
+        n = 1
+        entries = tuple(s) + (None,) * (len(a.shape) - len(tuple(s)))
+        for dim, entry in zip(a.shape, entries, strict=True):
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            div = int(np.prod([sizes[x] for x in axes])) if axes else 1
+            n *= -(-dim // div)
+        total += n * a.dtype.itemsize  # (PRNG key dtypes too)
+    return int(total)
+
+
+# ----------------------------------------------------------------------------- shard_map
+def shard_map(fn: Callable[..., Any], mesh: Mesh, in_axes: Any, out_axes: Any,
+              rules: tuple[tuple[str, str | None], ...] = RULES, check_vma: bool = True
+              ) -> Callable[..., Any]:
+    """`jax.shard_map` of `fn` with specs from logical axes (how Pallas calls are wrapped).
+
+    A kernel sees its per-device block: e.g. attention with q `("batch", None, "heads", None)`
+    and k/v `("batch", "seq", "kv_heads", "head_dim")` runs on its rows and heads only, with no
+    collective. Unlike placement, a logical axis here always maps to its mesh axis (shard_map
+    needs divisible shapes; the caller checks, e.g. with `logical_spec`).
+
+    Args:
+      fn: the per-device function.
+      mesh: the mesh.
+      in_axes / out_axes: pytrees of `Axes` tuples matching fn's arguments / outputs.
+    Returns:
+      the wrapped function.
+    """
+    table = dict(rules)
+    names = set(mesh.axis_names)
+
+    def to_spec(axes):
+        return PartitionSpec(*[table.get(n) if n is not None and table.get(n) in names else None
+                               for n in axes])
+
+    is_axes = lambda x: isinstance(x, tuple) and all(e is None or isinstance(e, str) for e in x)  # noqa: E731
+    in_specs = jax.tree.map(to_spec, in_axes, is_leaf=is_axes)
+    out_specs = jax.tree.map(to_spec, out_axes, is_leaf=is_axes)
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=check_vma)
+
+
+def shard_kernel(fn: Callable[..., Any], in_axes: Any, out_axes: Any, *,
+                 mesh: Mesh | AbstractMesh | None = None,
+                 rules: tuple[tuple[str, str | None], ...] = RULES) -> Callable[..., Any]:
+    """`fn` run per device under the mesh in context (how a Pallas call goes into model code).
+
+    With no mesh (`mesh` None and no `jax.set_mesh` context, e.g. on one device) this is `fn`
+    itself. Under a mesh it is `shard_map(fn, mesh, in_axes, out_axes)` with one safety rule:
+    a mesh axis is used only if it divides *every* dimension mapped to it in the inputs and
+    outputs; otherwise that mesh axis is dropped for the whole call (the arrays are replicated
+    along it), so that e.g. query heads are never split while their KV heads are not.
+    `jspec.generate` traces under `jax.set_mesh(<its mesh>)`, so the context is there.
+
+    Args:
+      fn: the per-device function (e.g. a jitted Pallas wrapper).
+      in_axes / out_axes: pytrees of `Axes` tuples for fn's positional args / outputs.
+      mesh: default: the context mesh.
+    Returns:
+      a function with fn's signature.
+    """
+    is_axes = lambda x: isinstance(x, tuple) and all(e is None or isinstance(e, str) for e in x)  # noqa: E731
+
+    def call(*args: Any) -> Any:
+        m = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+        if m is None or m.empty or m.size == 1:
+            return fn(*args)
+        out_shapes = jax.eval_shape(fn, *args)
+        table, sizes = dict(rules), dict(m.shape)
+        dropped: set[str] = set()
+        for axes_tree, values in ((in_axes, args), (out_axes, out_shapes)):
+            axes_list = jax.tree.leaves(axes_tree, is_leaf=is_axes)
+            arrays = jax.tree.leaves(values)
+            if len(axes_list) != len(arrays):
+                raise JspecError(f"{len(axes_list)} logical-axes entries for {len(arrays)} arrays")
+            for axes, a in zip(axes_list, arrays, strict=True):
+                for name, dim in zip(axes, a.shape, strict=True):
+                    target = table.get(name) if name is not None else None
+                    if target in sizes and dim % sizes[target]:
+                        dropped.add(target)
+        use = tuple((k, None if v in dropped else v) for k, v in rules)
+        return shard_map(fn, m, in_axes, out_axes, rules=use)(*args)
+
+    return call
