@@ -405,7 +405,8 @@ def shard_map(fn: Callable[..., Any], mesh: Mesh, in_axes: Any, out_axes: Any,
 
 def shard_kernel(fn: Callable[..., Any], in_axes: Any, out_axes: Any, *,
                  mesh: Mesh | AbstractMesh | None = None,
-                 rules: tuple[tuple[str, str | None], ...] = RULES) -> Callable[..., Any]:
+                 rules: tuple[tuple[str, str | None], ...] = RULES,
+                 check_vma: bool = False) -> Callable[..., Any]:
     """`fn` run per device under the mesh in context (how a Pallas call goes into model code).
 
     With no mesh (`mesh` None and no `jax.set_mesh` context, e.g. on one device) this is `fn`
@@ -419,6 +420,8 @@ def shard_kernel(fn: Callable[..., Any], in_axes: Any, out_axes: Any, *,
       fn: the per-device function (e.g. a jitted Pallas wrapper).
       in_axes / out_axes: pytrees of `Axes` tuples for fn's positional args / outputs.
       mesh: default: the context mesh.
+      check_vma: off by default: a `pallas_call`'s output shapes carry no varying-axes
+        annotation, which shard_map's check requires.
     Returns:
       a function with fn's signature.
     """
@@ -442,6 +445,6 @@ def shard_kernel(fn: Callable[..., Any], in_axes: Any, out_axes: Any, *,
                     if target in sizes and dim % sizes[target]:
                         dropped.add(target)
         use = tuple((k, None if v in dropped else v) for k, v in rules)
-        return shard_map(fn, m, in_axes, out_axes, rules=use)(*args)
+        return shard_map(fn, m, in_axes, out_axes, rules=use, check_vma=check_vma)(*args)
 
     return call

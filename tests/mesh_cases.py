@@ -108,6 +108,19 @@ def test_greedy_drafters_with_weights_on_a_mesh(drafter_name):
     _check_greedy("mesh_gqa", drafter_name, [(2, 4)])
 
 
+def test_pallas_attention_kernel_under_a_mesh():
+    """attention_impl="pallas" (the tree-attention kernel in interpret mode, wrapped by
+    `sharding.shard_kernel`: shard_map over batch and heads from the rules table) on 2x4 gives
+    the single-device XLA path's greedy tokens, with the n-gram drafter verifying chains."""
+    model = tiny_model("mesh_gqa", seed=1)
+    ids, lengths = pad_prompts(PROMPTS)
+    kw = dict(max_new_tokens=10, drafter=NGram(n_max=3), length=jspec.FixedLength(3))
+    ref = jspec.generate(model, ids, lengths, **kw)
+    out = jspec.generate(model, ids, lengths, mesh=_mesh((2, 4)), attention_impl="pallas", **kw)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    np.testing.assert_array_equal(np.asarray(out.stats.accepted), np.asarray(ref.stats.accepted))
+
+
 @slow
 @pytest.mark.parametrize("drafter_name", ["draft-model", "eagle3", "dflash"])
 def test_greedy_drafters_with_weights_on_all_meshes(drafter_name):

@@ -193,12 +193,19 @@ def _layer(config: ModelConfig, inv_freq: jax.Array, x: jax.Array, positions: ja
     cv = cv.at[rows, write_slots].set(v, mode="drop")
 
     if attend.use_pallas:
+        from jspec.sharding import shard_kernel  # noqa: PLC0415
         from pallas_kernels.tree_attention import tree_attention  # noqa: PLC0415
 
         # Cascade form: the committed prefix (slots < lengths, unchanged by the write above)
-        # is read from the cache, the T new tokens from k/v directly.
-        attn = tree_attention(q, ck, cv, attend.lengths, k.astype(ck.dtype), v.astype(cv.dtype),
-                              attend.parents)
+        # is read from the cache, the T new tokens from k/v directly. Under a mesh the kernel
+        # runs per device (shard_map) with specs from the logical-axis rules table.
+        parents = (jnp.arange(t, dtype=jnp.int32) - 1 if attend.parents is None
+                   else jnp.asarray(attend.parents, jnp.int32))
+        parents = jnp.broadcast_to(parents, (b, t))
+        qa, kva = ("batch", None, "heads", None), ("batch", None, "kv_heads", None)
+        attn = shard_kernel(tree_attention,
+                            (qa, kva, kva, ("batch",), kva, kva, ("batch", None)), qa)(
+            q, ck, cv, attend.lengths, k.astype(ck.dtype), v.astype(cv.dtype), parents)
     else:
         attn = _attention_xla(q, ck, cv, attend.mask, g)
     x = x + _dot(attn.reshape(b, t, h * hd), lw.wo)
