@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.errors import JspecError
-from jspec.sampling import Sampling, process_logits, sample_from_probs
-from jspec.verify.lossless import RESIDUAL_EPS, leading_true
+from jspec.sampling import Sampling, process_logits
+from jspec.verify.lossless import leading_true, residual_token
 
 HEAD_KINDS = ("scalar", "context")
 
@@ -251,9 +251,7 @@ class Diversed:
             at = jnp.minimum(n, k - 1)
             p_n = p[rows, n]  # [B, V]
             q_n = jnp.where((n < k)[:, None], qd[rows, at], 0.0)
-            resid = jnp.maximum(p_n - q_n, 0.0)  # ∝ [ν − q]+ (the w factor cancels)
-            mass = jnp.sum(resid, axis=-1, keepdims=True)
-            nxt = sample_from_probs(k_s, jnp.where(mass > RESIDUAL_EPS, resid, p_n))
+            nxt = residual_token(k_s, p_n, q_n)  # [ν − q]+ ∝ [p − q]+ (w cancels)
         return n, nxt, self._update(vstate, draft, n, nxt, p, qd, w, feats, valid)
 
     def _fused(self, sampling: Sampling) -> bool:

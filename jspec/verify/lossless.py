@@ -128,7 +128,12 @@ def verify_chain(key: jax.Array, draft: jax.Array, q: jax.Array | None, target_l
     p_n = p[rows, n]  # [B, V]
     proposed = (n < k) & ok[rows, jnp.minimum(n, k - 1)]
     q_n = jnp.where(proposed[:, None], q[rows, jnp.minimum(n, k - 1)], 0.0)
+    return n, residual_token(k_s, p_n, q_n)
+
+
+def residual_token(key: jax.Array, p_n: jax.Array, q_n: jax.Array) -> jax.Array:
+    """i32[B]: a draw from norm([p_n − q_n]+) (f32[B, V] each), or from p_n when that mass is
+    numerically empty (≤ RESIDUAL_EPS). With q_n = 0 (bonus / empty slot) it is a draw from p_n."""
     resid = jnp.maximum(p_n - q_n, 0.0)
     mass = jnp.sum(resid, axis=-1, keepdims=True)
-    dist = jnp.where(mass > RESIDUAL_EPS, resid, p_n)
-    return n, sample_from_probs(k_s, dist)
+    return sample_from_probs(key, jnp.where(mass > RESIDUAL_EPS, resid, p_n))
