@@ -4,12 +4,35 @@ from jspec import sharding
 from jspec.decode import GenerateOutput, SpecState, Stats, generate
 from jspec.drafters import DraftModel, NGram, load_drafter
 from jspec.errors import JspecError, ModelLoadError
-from jspec.length import FixedLength
+from jspec.length import FixedLength, LibraSpec
 from jspec.models import Chain, KVCache, Model, ModelConfig, Tree, Weights, forward, load_model
 from jspec.sampling import Sampling
 from jspec.verify import ASD, Diversed, DiversedHead, Lossless
 
-__all__ = ["ASD", "Chain", "Diversed", "DiversedHead", "DraftModel", "FixedLength",
-           "GenerateOutput", "JspecError", "KVCache", "Lossless", "Model", "ModelConfig",
-           "ModelLoadError", "NGram", "Sampling", "SpecState", "Stats", "Tree", "Weights", "forward",
-           "generate", "load_drafter", "load_model", "sharding"]
+__all__ = [
+           "ASD",
+           "Chain",
+           "Diversed",
+           "DiversedHead",
+           "DraftModel",
+           "FixedLength",
+           "GenerateOutput",
+           "JspecError",
+           "KVCache",
+           "LibraSpec",
+           "Lossless",
+           "Model",
+           "ModelConfig",
+           "ModelLoadError",
+           "NGram",
+           "Sampling",
+           "SpecState",
+           "Stats",
+           "Tree",
+           "Weights",
+           "forward",
+           "generate",
+           "load_drafter",
+           "load_model",
+           "sharding",
+]

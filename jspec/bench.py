@@ -192,6 +192,13 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
     configs += [(t, d, k, v) for t in temps for d in drafters for k in drafter_ks[d]
                 for v in verifiers if supports(v, t)]
     loaded = {d: jspec.load_drafter(d, target=model) for d in drafters}
+    # --lengths: dynamic length policies (LibraSpec) for the drafters that support them
+    # (block drafters that can draft more blocks), lossless verification.
+    from jspec.length import parse_length  # noqa: PLC0415
+
+    policies = {spec: parse_length(spec) for spec in filter(None, args.lengths.split(";"))}
+    configs += [(t, d, spec, "lossless") for t in temps for d in drafters for spec in policies
+                if hasattr(loaded[d], "extend")]
     outputs: dict[tuple, list[list[int]]] = {}
     results: dict[tuple, dict[str, Any]] = {}
     bar = tqdm(total=len(configs) * args.repeats * len(enc), desc="bench", unit="prompt",
@@ -201,8 +208,9 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
             kw: dict[str, Any] = dict(max_new_tokens=args.new_tokens,
                                       sampling=jspec.Sampling(temperature=temp))
             if dname is not None:
-                kw.update(drafter=loaded[dname], length=jspec.FixedLength(k),
-                          verifier=parsed[vname])
+                length = policies[k] if isinstance(k, str) else jspec.FixedLength(k)
+                verifier = parsed[vname] if vname in parsed else Lossless()
+                kw.update(drafter=loaded[dname], length=length, verifier=verifier)
             res = results.setdefault((temp, dname, k, vname), {"tps": [], "stats": None})
             if rep == 0:  # compile outside the timed region
                 jax.block_until_ready(jspec.generate(model, padded[:1], lengths[:1], **kw).tokens)
@@ -223,7 +231,8 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
                 tv = (float(vs.tv_sum[0]), int(vs.positions[0])) if hasattr(vs, "tv_sum") \
                     else (0.0, 0)
                 vec = [int(st.rounds[0]), int(st.emitted[0]), int(st.accepted[0]),
-                       int(st.drafted[0]), *tv, *map(int, st.accepted_at[0])]
+                       int(st.drafted[0]), int(st.oracle[0]), int(st.oracle_gap[0]), *tv,
+                       *map(int, st.accepted_at[0])]
                 agg = vec if agg is None else [a + b for a, b in zip(agg, vec, strict=True)]
                 if bar:
                     bar.update(1)
@@ -241,18 +250,25 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
     for (temp, dname, k, vname), res in results.items():
         tps = statistics.median(res["tps"])
         ar = statistics.median(results[(temp, None, 0, "lossless")]["tps"])
-        rounds, emitted, accepted, drafted, tv_sum, tv_n, *acc = res["stats"]
+        rounds, emitted, accepted, drafted, oracle, gap, tv_sum, tv_n, *acc = res["stats"]
+        dynamic = isinstance(k, str) or (dname is not None and vname == "lossless")
         row = {"temperature": temp, "drafter": dname or "autoregressive", "k": k,
                "verifier": vname, "tokens_per_s": tps, "speedup": tps / ar,
                "tau": emitted / max(rounds, 1),
                "acceptance_rate": accepted / drafted if drafted else None,
                "tv_per_token": tv_sum / tv_n if tv_n else (0.0 if dname else None),
                "accept_by_position": [a / max(rounds, 1) for a in acc],
+               "mean_length": drafted / max(rounds, 1) if dname else None,
+               "oracle": oracle / max(rounds, 1) if dynamic else None,
+               "oracle_gap": gap / max(rounds, 1) if dynamic else None,
                "new_tokens": res["tokens"], **quality.get((temp, dname, k, vname), {})}
         out_rows.append(row)
         q = quality.get((temp, dname, k, vname), {})
         ar_rate = row["acceptance_rate"]
-        table.append([f"{temp:g}", row["drafter"], k or "-", vname, f"{tps:.1f}",
+        table.append([f"{temp:g}", row["drafter"], k or "-",
+                      f"{row['mean_length']:.2f}" if dname else "-",
+                      f"{row['oracle_gap']:.2f}" if row["oracle_gap"] is not None else "-",
+                      vname, f"{tps:.1f}",
                       f"{row['speedup']:.2f}x", f"{row['tau']:.2f}" if dname else "1.00",
                       f"{ar_rate:.3f}" if ar_rate is not None else "-",
                       " ".join(f"{a:.2f}" for a in row["accept_by_position"]) or "-",
@@ -264,12 +280,13 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
     for label, tps in hf_rows:
         out_rows.append({"temperature": 0.0, "drafter": label, "k": None, "tokens_per_s": tps,
                          "speedup": tps / ar0})
-        table.append(["0", label, "-", "-", f"{tps:.1f}", f"{tps / ar0:.2f}x", "-", "-", "-", "-",
-                      "-", "-", "-"])
+        table.append(["0", label, "-", "-", "-", "-", f"{tps:.1f}", f"{tps / ar0:.2f}x", "-",
+                      "-", "-", "-", "-", "-", "-"])
     _print_table(f"Speculative decoding on {args.prompts} ({len(enc)} prompts, batch 1, "
                  f"{args.new_tokens} new tokens, median of {args.repeats} sweeps); "
                  f"rho_8 = t(8)/t(1) = {cost['c'][8]:.2f}",
-                 ["T", "drafter", "K", "verifier", "tokens/s", "speedup", "tau", "accept",
+                 ["T", "drafter", "K", "mean d", "|d-oracle|", "verifier", "tokens/s",
+                  "speedup", "tau", "accept",
                   "acceptance by position", "changed", "NLL/token", "TV/token", "score"], table)
     return {"prompts": args.prompts, "rows": out_rows, "rho_8": cost["c"][8],
             "new_tokens": args.new_tokens, "repeats": args.repeats}

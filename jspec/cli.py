@@ -60,7 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      "(default: plain autoregressive decoding)")
     g.add_argument("--k", type=int, help="drafted tokens verified per round (default 5); "
                                           "short for --length fixed:K")
-    g.add_argument("--length", help="speculation length policy: fixed:K")
+    g.add_argument("--length", help="speculation length policy: fixed:K, or "
+                                    "libraspec[:n=N,d_max=D,alpha=A,widths=W1/W2/..] (per-row "
+                                    "dynamic length from the drafter's confidences; block "
+                                    "drafters such as DFlash; defaults n=16, d_max=24, "
+                                    "alpha=2.2; calibrate alpha with `jspec calibrate-length`)")
     g.add_argument("--verifier", default="lossless",
                    help="lossless (default); asd[:budget=B,gate=G,cap=M] (greedy only); "
                         "diversed[:w=W | :head=PATH] (w = weight on the target in w*p+(1-w)*q; "
@@ -85,6 +89,28 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", type=Path, default=Path("asd_gate.json"),
                    help="where to save the result (default asd_gate.json)")
 
+    cl = sub.add_parser(
+        "calibrate-length", help="fit LibraSpec's n and alpha to this machine's c(K)",
+        description="Measure this machine's verification cost t(K) and the drafter's cost per "
+                    "block, record the drafter's confidences and the oracle length on real "
+                    "prompts (greedy, every round drafting and verifying d_max tokens), then "
+                    "simulate every fixed K and LibraSpec over a grid of (n, alpha) on those "
+                    "rounds and print the best. Run it on the device you decode on: a TPU/GPU "
+                    "has a flatter c(K) and wants a larger alpha.")
+    cl.add_argument("--model", default="smollm2-135m", help="target model (default smollm2-135m)")
+    cl.add_argument("--drafter", default="smollm2-135m-dflash",
+                    help="block drafter (default smollm2-135m-dflash)")
+    cl.add_argument("--d-max", type=int, default=24, help="LibraSpec cap d_max (default 24)")
+    cl.add_argument("--prompts", default="humaneval:8-16",
+                    help="prompt set and range (default humaneval:8-16: held out from drafter "
+                         "training, disjoint from the benchmarks' humaneval:8)")
+    cl.add_argument("--max-new-tokens", type=int, default=96, help="tokens per prompt (default 96)")
+    cl.add_argument("--fill", type=int, default=400, help="cache fill for t(K) (default 400)")
+    cl.add_argument("--repeats", type=int, default=5, help="timing repeats, median (default 5)")
+    cl.add_argument("--out", type=Path, default=Path("libraspec_calibration.json"),
+                    help="where to save the measurements and the grid "
+                         "(default libraspec_calibration.json)")
+
     b = sub.add_parser("bench", help="benchmarks (see docs/BENCHMARKS.md)",
                        description="Measure decoding speed; every ratio is measured in one run.")
     b.add_argument("--model", default="smollm2-135m", help="target model (default smollm2-135m)")
@@ -101,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "ngram,smollm2-135m-eagle3@4/6,smollm2-135m-dflash@7 (@K1/K2: that "
                    "drafter's own lengths instead of --ks)")
     b.add_argument("--ks", default="2,4,8", help="comma-separated speculation lengths K")
+    b.add_argument("--lengths", default="",
+                   help="semicolon-separated dynamic length policies run (lossless) for every "
+                        "block drafter in --drafters, e.g. 'libraspec;libraspec:n=4,alpha=0.8' "
+                        "(table columns: mean d = drafted tokens verified per round, |d-oracle| "
+                        "= mean distance from the longest prefix that would have been accepted)")
     b.add_argument("--temperatures", default="0,1", help="comma-separated temperatures")
     b.add_argument("--verifiers", default="lossless",
                    help="semicolon-separated verifiers, e.g. 'lossless;asd:budget=8,gate=0.25,cap=2;"
@@ -274,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_bench(args)
         if args.command == "calibrate-asd":
             return cmd_calibrate_asd(args)
+        if args.command == "calibrate-length":
+            from jspec.calibrate import main as calibrate_length  # noqa: PLC0415
+
+            return calibrate_length(args)
     except JspecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

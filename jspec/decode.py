@@ -54,12 +54,18 @@ class Stats:
     accepted: jax.Array  # i32[B] drafted tokens accepted
     drafted: jax.Array  # i32[B] drafted tokens verified
     accepted_at: jax.Array  # i32[B, K] rounds in which draft position k was accepted
+    # Σ over rounds of the oracle length (the longest drafted prefix the verifier would have
+    # accepted, observed within the verified width, so a lower bound when it reaches that
+    # width) and of |verified length − oracle length|. Under a fixed K the oracle is the
+    # accepted count (exact for the lossless verifier; relaxed verifiers accept more).
+    oracle: jax.Array  # i32[B]
+    oracle_gap: jax.Array  # i32[B]
 
     @classmethod
     def zeros(cls, batch: int, k: int) -> Stats:
         z = jnp.zeros((batch,), jnp.int32)
         return cls(rounds=z, emitted=z, accepted=z, drafted=z,
-                   accepted_at=jnp.zeros((batch, k), jnp.int32))
+                   accepted_at=jnp.zeros((batch, k), jnp.int32), oracle=z, oracle_gap=z)
 
     def mean_accepted(self) -> np.ndarray:
         """τ per row: tokens committed per round (accepted drafts + 1), host-side."""
@@ -137,7 +143,8 @@ def prefill(config: ModelConfig, weights: Weights, prompt_ids: jax.Array,
 
 
 def commit(state: SpecState, emitted: jax.Array, n_emit: jax.Array, eos_ids: tuple[int, ...],
-           cache: KVCache, n_accepted: jax.Array, n_drafted: int) -> SpecState:
+           cache: KVCache, n_accepted: jax.Array, n_drafted: int | jax.Array,
+           oracle: jax.Array | None = None) -> SpecState:
     """Append up to `n_emit` tokens per live row, stop rows at EOS / max_new_tokens.
 
     Args:
@@ -146,6 +153,8 @@ def commit(state: SpecState, emitted: jax.Array, n_emit: jax.Array, eos_ids: tup
       cache: the target cache after the verify forward; its K/V for `last` and the first
         n_emit - 1 emitted tokens are valid, so committing is only a length update.
       n_accepted: i32[B] accepted drafted tokens (for statistics).
+      n_drafted: drafted tokens verified (int, or i32[B] under LibraSpec).
+      oracle: i32[B] or None: LibraSpec's oracle length this round (statistics).
     """
     b, m = emitted.shape
     n_max = state.tokens.shape[1]
@@ -171,7 +180,11 @@ def commit(state: SpecState, emitted: jax.Array, n_emit: jax.Array, eos_ids: tup
                   accepted=state.stats.accepted + acc,
                   drafted=state.stats.drafted + live * n_drafted,
                   accepted_at=state.stats.accepted_at
-                  + (jnp.arange(k)[None, :] < acc[:, None]).astype(jnp.int32))
+                  + (jnp.arange(k)[None, :] < acc[:, None]).astype(jnp.int32),
+                  oracle=state.stats.oracle, oracle_gap=state.stats.oracle_gap)
+    if oracle is not None:
+        stats.oracle = stats.oracle + jnp.where(live, oracle, 0)
+        stats.oracle_gap = stats.oracle_gap + jnp.where(live, jnp.abs(n_drafted - oracle), 0)
     return dataclasses.replace(
         state, cache=cache.with_lengths(state.cache.lengths + count), seq=seq, tokens=tokens,
         num_new=num_new, last=jnp.where(count > 0, new_last, state.last), done=done, stats=stats)
@@ -250,7 +263,126 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Any, state
     emitted = jnp.concatenate([draft, jnp.zeros_like(nxt)[:, None]], axis=1)
     emitted = emitted.at[rows, n].set(nxt)
     with jax.named_scope("commit"):
-        state = commit(state, emitted, n + 1, eos_ids, new_cache, n, k)
+        # With every slot proposed, n is also the oracle length within k (statistics).
+        state = commit(state, emitted, n + 1, eos_ids, new_cache, n, k, oracle=n)
+    return dataclasses.replace(state, key=key, drafter=dstate, verifier=vstate)
+
+
+def libraspec_round(config: ModelConfig, weights: Weights, drafter: Any, state: SpecState, *,
+                    policy: Any, sampling: Sampling, eos_ids: tuple[int, ...],
+                    verifier: Any) -> SpecState:
+    """A round whose speculation length is chosen per row by LibraSpec (`jspec.length`).
+
+    Draft ⌈n / b⌉ blocks of b = drafter.block_tokens; then, Algorithm 1 as a bounded
+    fixed-point iteration: ε* over the first d confidences either cuts d (ε* ≤ d) or extends it
+    to min(ε*, d_max), and a further block is drafted (`lax.cond`, only if a live row needs
+    it). One target forward verifies [last, x_1..x_W] for W the smallest static width ≥ the
+    largest live d (`lax.switch`); slots beyond a row's own d are empty, so the verifier
+    rejects there and draws the token from the target (exact).
+    """
+    from jspec.drafters.base import DraftContext  # noqa: PLC0415
+    from jspec.length import epsilon_star  # noqa: PLC0415
+
+    key, k_draft, k_verify = jax.random.split(state.key, 3)
+    cache = state.cache
+    live = ~state.done
+    ctx = DraftContext(seq=state.seq, cache_len=cache.lengths, last=state.last)
+    bs = drafter.block_tokens
+    n0 = -(-policy.n // bs)  # blocks drafted before the first decision
+    nb = -(-policy.d_max // bs)  # most blocks a round may draft
+    b = state.last.shape[0]
+    keys = jax.random.split(k_draft, nb)
+
+    with jax.named_scope("draft"):
+        tok0, q0, dstate = drafter.propose(state.drafter, ctx, bs, sampling, keys[0])
+        toks = jnp.zeros((b, nb * bs), jnp.int32).at[:, :bs].set(tok0)
+        confs = jnp.zeros((b, nb * bs), jnp.float32).at[:, :bs].set(dstate.conf)
+        qs = None if q0 is None else jnp.zeros((b, nb * bs, q0.shape[-1]), q0.dtype
+                                                ).at[:, :bs].set(q0)
+
+        def add_block(j, toks, confs, qs):
+            anchor = jnp.maximum(toks[:, j * bs - 1], 0)
+            t, q, c = drafter.extend(dstate, ctx, anchor, j * bs, sampling, keys[j])
+            toks = toks.at[:, j * bs:(j + 1) * bs].set(t)
+            confs = confs.at[:, j * bs:(j + 1) * bs].set(c)
+            if qs is not None:
+                qs = qs.at[:, j * bs:(j + 1) * bs].set(q)
+            return toks, confs, qs
+
+        for j in range(1, n0):
+            toks, confs, qs = add_block(j, toks, confs, qs)
+        # A drafted slot the drafter left empty (-1, e.g. a VAT cut) ends what can be accepted:
+        # its confidence is 0 from there on.
+        confs = jnp.where(jnp.cumsum(toks < 0, axis=1) > 0, 0.0, confs)
+        def settle(c, have):
+            """Iterate Algorithm 1 for every row whose next length is already drafted."""
+            def body(c):
+                d, want, stop, _, confs = c
+                ready = ~stop & (want <= have)
+                d = jnp.where(ready, want, d)
+                eps = epsilon_star(confs, d, policy.alpha)
+                cut = ready & (eps <= d)
+                cap = ready & ~cut & (d >= policy.d_max)
+                d = jnp.where(cut, eps, d)
+                want = jnp.where(ready & ~cut & ~cap, jnp.minimum(eps, policy.d_max),
+                                 jnp.where(cut | cap, d, want))
+                stop = stop | cut | cap
+                return d, want, stop, jnp.any(~stop & (want <= have)), confs
+
+            d, want, stop, _, _ = jax.lax.while_loop(lambda c: c[3], body, (*c, jnp.bool_(True),
+                                                                             confs))
+            return d, want, stop
+
+        n_first = jnp.full((b,), policy.n, jnp.int32)
+        dws = settle((n_first, n_first, ~live), n0 * bs)  # (d, want, stop)
+        for j in range(n0, nb):
+            need = jnp.any(~dws[2] & (dws[1] > j * bs))  # a live row waits for block j
+            toks, confs, qs = jax.lax.cond(
+                need, lambda a, j=j: add_block(j, *a), lambda a: a, (toks, confs, qs))
+            dws = settle(dws, (j + 1) * bs)
+        d = dws[0]
+        d = jnp.clip(d, 1, policy.d_max)
+        valid_all = toks[:, :policy.d_max] >= 0
+        draft = jnp.where(valid_all, toks[:, :policy.d_max], 0)
+        q = None if qs is None else qs[:, :policy.d_max]
+
+    fl = feature_layers(drafter)
+    widths = policy.verify_widths
+    d_live = jnp.max(jnp.where(live, d, 1))
+    w_idx = jnp.sum(jnp.asarray(widths, jnp.int32) < d_live)
+
+    def verify_width(w):
+        def run(cache, vstate):
+            dw, vw = draft[:, :w], valid_all[:, :w]
+            qw = None if q is None else q[:, :w]
+            with jax.named_scope("verify"):
+                toks_in = jnp.concatenate([state.last[:, None], dw], axis=1)  # [B, w+1]
+                pos = cache.lengths[:, None] + jnp.arange(w + 1, dtype=jnp.int32)[None]
+                out = forward(config, weights, toks_in, pos, cache, hidden_layers=fl)
+            with jax.named_scope("accept"):
+                chosen = vw & (jnp.arange(w)[None, :] < d[:, None])
+                n, nxt, vstate = verifier.verify(vstate, k_verify, dw, qw, out.logits, sampling,
+                                                 chosen)
+                # The oracle length: what the same verifier, with the same random numbers,
+                # would have accepted had every verified slot been proposed.
+                oracle, _, _ = verifier.verify(vstate, k_verify, dw, qw, out.logits, sampling,
+                                               vw)
+            f = jnp.zeros((b, 0), jnp.float32)
+            if fl:
+                f = features(out.hidden)
+                f = jnp.pad(f, ((0, 0), (0, policy.d_max + 1 - (w + 1)), (0, 0), (0, 0)))
+            return n, nxt, out.cache, vstate, f, oracle
+        return run
+
+    n, nxt, new_cache, vstate, feats, oracle = jax.lax.switch(
+        w_idx, [verify_width(w) for w in widths], cache, state.verifier)
+    if fl:
+        dstate = drafter.observe(dstate, feats, cache.lengths, n + 1)
+    rows = jnp.arange(b)
+    emitted = jnp.concatenate([draft, jnp.zeros_like(nxt)[:, None]], axis=1)
+    emitted = emitted.at[rows, n].set(nxt)
+    with jax.named_scope("commit"):
+        state = commit(state, emitted, n + 1, eos_ids, new_cache, n, d, oracle=oracle)
     return dataclasses.replace(state, key=key, drafter=dstate, verifier=vstate)
 
 
@@ -286,11 +418,18 @@ def drafter_may_abstain(drafter: Any) -> bool:
 
 
 def make_round(config: ModelConfig, weights: Weights, drafter: Any, *, k: int,
-               sampling: Sampling, eos_ids: tuple[int, ...], verifier: Any = None) -> Any:
-    """The round function `SpecState -> SpecState` for this drafter (None: autoregressive)."""
+               sampling: Sampling, eos_ids: tuple[int, ...], verifier: Any = None,
+               length: Any = None) -> Any:
+    """The round function `SpecState -> SpecState` for this drafter (None: autoregressive)
+    and length policy (None / FixedLength: `k` drafts per round; LibraSpec: dynamic)."""
+    from jspec.length import LibraSpec  # noqa: PLC0415
+
     if drafter is None:
         return functools.partial(autoregressive_round, config, weights, sampling=sampling,
                                  eos_ids=eos_ids)
+    if isinstance(length, LibraSpec):
+        return functools.partial(libraspec_round, config, weights, drafter, policy=length,
+                                 sampling=sampling, eos_ids=eos_ids, verifier=verifier)
     return functools.partial(speculative_round, config, weights, drafter, k=k, sampling=sampling,
                              eos_ids=eos_ids, verifier=verifier)
 
@@ -298,15 +437,23 @@ def make_round(config: ModelConfig, weights: Weights, drafter: Any, *, k: int,
 def init_state(config: ModelConfig, weights: Weights, drafter: Any, prompt_ids: jax.Array,
                prompt_lengths: jax.Array, key: jax.Array, *, sampling: Sampling,
                max_new_tokens: int, capacity: int, eos_ids: tuple[int, ...], k: int,
-               verifier: Any = None) -> SpecState:
-    """Prefill the target (and the drafter) and sample the first new token."""
+               verifier: Any = None, length: Any = None) -> SpecState:
+    """Prefill the target (and the drafter) and sample the first new token.
+
+    `k` is the most drafted tokens a round verifies (LibraSpec: d_max); the drafter's own
+    proposal width is k, or one block under LibraSpec."""
+    from jspec.length import LibraSpec  # noqa: PLC0415
+
     fl = feature_layers(drafter)
     state, out = prefill(config, weights, prompt_ids, prompt_lengths, key, sampling=sampling,
                          max_new_tokens=max_new_tokens, capacity=capacity, eos_ids=eos_ids,
                          draft_k=k, feature_layers=fl)
     if drafter is not None:
         with jax.named_scope("draft_prefill"):
-            if fl:
+            if fl and isinstance(length, LibraSpec):
+                dstate = drafter.init_state(features(out.hidden), prompt_ids, prompt_lengths,
+                                            capacity, k=drafter.block_tokens, verify_width=k)
+            elif fl:
                 dstate = drafter.init_state(features(out.hidden), prompt_ids, prompt_lengths,
                                             capacity, k=k)
             else:
@@ -320,7 +467,8 @@ def init_state(config: ModelConfig, weights: Weights, drafter: Any, prompt_ids: 
 
 # The verifier is a pytree argument (a learned DIVERSED head's arrays are leaves); Lossless and
 # ASD are registered static pytrees, so their settings still key the compilation cache.
-_STATIC = ("config", "sampling", "max_new_tokens", "capacity", "eos_ids", "k", "mesh")
+_STATIC = ("config", "sampling", "max_new_tokens", "capacity", "eos_ids", "k", "length",
+           "mesh")
 
 
 def _pin_inputs(mesh: Mesh | None, config: ModelConfig, weights: Weights, drafter: Any,
@@ -363,15 +511,16 @@ def _pinned_round(mesh: Mesh | None, round_fn: Any) -> Any:
 def _generate(weights: Weights, drafter: Any, verifier: Any, prompt_ids: jax.Array,
               prompt_lengths: jax.Array, key: jax.Array, *, config: ModelConfig,
               sampling: Sampling, max_new_tokens: int, capacity: int,
-              eos_ids: tuple[int, ...], k: int, mesh: Mesh | None = None) -> GenerateOutput:
+              eos_ids: tuple[int, ...], k: int, length: Any = None,
+              mesh: Mesh | None = None) -> GenerateOutput:
     weights, drafter, verifier, prompt_ids, prompt_lengths = _pin_inputs(
         mesh, config, weights, drafter, verifier, prompt_ids, prompt_lengths)
     state = init_state(config, weights, drafter, prompt_ids, prompt_lengths, key,
                        sampling=sampling, max_new_tokens=max_new_tokens, capacity=capacity,
-                       eos_ids=eos_ids, k=k, verifier=verifier)
+                       eos_ids=eos_ids, k=k, verifier=verifier, length=length)
     state = _pin_state(mesh, state)
     round_fn = make_round(config, weights, drafter, k=k, sampling=sampling, eos_ids=eos_ids,
-                          verifier=verifier)
+                          verifier=verifier, length=length)
     state = run_rounds(_pinned_round(mesh, round_fn), state, max_new_tokens - 1)
     return GenerateOutput(tokens=state.tokens, lengths=state.num_new, stats=state.stats,
                           verifier=state.verifier)
@@ -388,14 +537,14 @@ def _init_jit(weights: Weights, drafter: Any, verifier: Any, prompt_ids: jax.Arr
     return _pin_state(mesh, state)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "k", "rounds",
-                                             "mesh"),
+@functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "k", "length",
+                                             "rounds", "mesh"),
                    donate_argnames=("state",))
 def _chunk_jit(weights: Weights, drafter: Any, verifier: Any, state: SpecState, *,
                config: ModelConfig, sampling: Sampling, eos_ids: tuple[int, ...], k: int,
-               rounds: int, mesh: Mesh | None = None) -> SpecState:
+               rounds: int, length: Any = None, mesh: Mesh | None = None) -> SpecState:
     round_fn = make_round(config, weights, drafter, k=k, sampling=sampling, eos_ids=eos_ids,
-                          verifier=verifier)
+                          verifier=verifier, length=length)
     return run_rounds(_pinned_round(mesh, round_fn), state, rounds)
 
 
@@ -518,22 +667,25 @@ def _place_inputs(mesh: Mesh | None, model: Model, drafter: Any, verifier: Any, 
 def _statics(model: Model, ids: jax.Array, drafter: Any, sampling: Sampling, max_new_tokens: int,
              verifier: Any, length: Any, capacity: int | None, mesh: Mesh | None = None
              ) -> dict[str, Any]:
-    from jspec.length import FixedLength  # noqa: PLC0415
+    from jspec.length import FixedLength, LibraSpec  # noqa: PLC0415
     from jspec.verify import ASD, Diversed, Lossless  # noqa: PLC0415
 
     k = 0
     if drafter is not None:
         length = FixedLength() if length is None else length
         verifier = Lossless() if verifier is None else verifier
-        if not isinstance(length, FixedLength):
-            raise JspecError(f"length must be a jspec.FixedLength, got {type(length).__name__}")
+        if not isinstance(length, (FixedLength, LibraSpec)):
+            raise JspecError("length must be a jspec.FixedLength or jspec.LibraSpec, got "
+                             f"{type(length).__name__}")
+        if isinstance(length, LibraSpec):
+            _check_libraspec(length, drafter, verifier)
         if not isinstance(verifier, (Lossless, ASD, Diversed)):
             raise JspecError(f"unsupported verifier {type(verifier).__name__} "
                              "(jspec.Lossless, jspec.ASD or jspec.Diversed)")
         verifier.check(sampling)
         if isinstance(verifier, Diversed) and verifier.head is not None:
             verifier.head.check(model.config, getattr(drafter, "hidden_size", None))
-        k = length.k
+        k = length.max_k
     elif verifier is not None or length is not None:
         raise JspecError("verifier= and length= need a drafter")
     cap = capacity or cache_capacity(ids.shape[1], max_new_tokens, k)
@@ -542,7 +694,20 @@ def _statics(model: Model, ids: jax.Array, drafter: Any, sampling: Sampling, max
                          f"verify block of {k + 1} does not fit the cache capacity {cap}")
     return dict(config=model.config, sampling=sampling, max_new_tokens=max_new_tokens,
                 capacity=cap, eos_ids=model.eos_ids, k=k, verifier=verifier,
+                length=length if isinstance(length, LibraSpec) else None,
                 mesh=sharding.resolve_mesh(mesh))
+
+
+def _check_libraspec(policy: Any, drafter: Any, verifier: Any) -> None:
+    from jspec.verify import Lossless  # noqa: PLC0415
+
+    if not (hasattr(drafter, "extend") and hasattr(drafter, "block_tokens")):
+        raise JspecError(f"LibraSpec needs a block drafter with confidences that can draft more "
+                         f"blocks (DFlash); {getattr(drafter, 'name', type(drafter).__name__)!r} "
+                         "cannot")
+    if not isinstance(verifier, Lossless):
+        raise JspecError("LibraSpec verifies losslessly: use verifier=jspec.Lossless() "
+                         f"(got {type(verifier).__name__})")
 
 
 def stream(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, drafter: Any = None,
@@ -568,7 +733,8 @@ def stream(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *, drafter
         weights, drafter, verifier, ids, lengths, key = _place_inputs(
             mesh, model, drafter, verifier, ids, lengths, key)
         state = _init_jit(weights, drafter, verifier, ids, lengths, key, **statics)
-    loop_statics = {k: statics[k] for k in ("config", "sampling", "eos_ids", "k", "mesh")}
+    loop_statics = {k: statics[k] for k in ("config", "sampling", "eos_ids", "k", "length",
+                                            "mesh")}
     while True:
         tokens, num_new, done, st = jax.device_get(
             (state.tokens, state.num_new, state.done, state.stats))

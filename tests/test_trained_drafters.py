@@ -48,7 +48,7 @@ PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12, 13, 14, 15], [20, 21], [30,
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
-@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("k", [1, 3, 5, 8])  # DFlash block 6: k = 8 chains two blocks
 def test_greedy_identity(kind, k):
     model, drafter = tiny_drafter(kind)
     ids, lens = _pad(PROMPTS)
@@ -151,10 +151,6 @@ def test_save_load_roundtrip(tmp_path, kind):
 
 def test_bad_trained_drafter_inputs(tmp_path):
     model, drafter = tiny_drafter("dflash")
-    with pytest.raises(jspec.JspecError, match="block"):
-        ids, lens = _pad(PROMPTS)
-        jspec.generate(model, ids, lens, max_new_tokens=8, drafter=drafter,
-                       length=jspec.FixedLength(drafter.cfg.block))  # k + 1 > block
     path = tmp_path / "d.safetensors"
     save_drafter(path, drafter.cfg, drafter.params, np.asarray(drafter.vocab_ids))
     other = tiny_model("llama_mqa_scaled")  # hidden 48, not 32

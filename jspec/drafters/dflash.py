@@ -34,7 +34,6 @@ from jspec.drafters.trained import (
     standardize,
     verify_head,
 )
-from jspec.errors import JspecError
 from jspec.models.llama import rms_norm, rope
 from jspec.sampling import Sampling
 
@@ -162,7 +161,8 @@ class DFlashState:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DFlash:
-    """The DFlash drafter as a jspec drafter. Proposes k <= block-1 tokens in one pass."""
+    """The DFlash drafter as a jspec drafter: k <= block-1 tokens in one pass, more in chained
+    blocks."""
 
     params: Params
     embed: jax.Array  # [V, D] the target's embedding (shared)
@@ -194,14 +194,21 @@ class DFlash:
                    for a, (_, v) in zip(cv, kv, strict=True))
         return ck, cv, c
 
+    @property
+    def block_tokens(self) -> int:
+        """Tokens one block forward proposes (γ-1); LibraSpec extends by blocks of this size."""
+        return self.cfg.block - 1
+
     def init_state(self, features: jax.Array, prompt_ids: jax.Array, prompt_lengths: jax.Array,
-                   capacity: int, k: int) -> DFlashState:
+                   capacity: int, k: int, verify_width: int | None = None) -> DFlashState:
+        """`k`: tokens per `propose`; `verify_width`: most drafted tokens a verify pass scores
+        (default k; larger under LibraSpec, whose extra blocks come from `extend`)."""
         b, p = prompt_ids.shape
         cfg = self.cfg
         z = jnp.zeros((b, capacity, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
         pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         ck, cv, c = self._write((z,) * cfg.num_layers, (z,) * cfg.num_layers, features, pos)
-        pend = jnp.zeros((b, k + 1, *features.shape[2:]), jnp.float32)
+        pend = jnp.zeros((b, (verify_width or k) + 1, *features.shape[2:]), jnp.float32)
         zk = jnp.zeros((b, k), jnp.float32)
         last_c = jnp.take_along_axis(c, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
         return DFlashState(ck=ck, cv=cv, pending=Pending(pend, prompt_lengths,
@@ -215,32 +222,74 @@ class DFlash:
 
     def propose(self, state: DFlashState, ctx: DraftContext, k: int, sampling: Sampling,
                 key: jax.Array) -> tuple[jax.Array, jax.Array | None, DFlashState]:
-        cfg, p = self.cfg, self.params
-        if k + 1 > cfg.block:
-            raise JspecError(f"DFlash drafter trained with block {cfg.block}: k <= "
-                             f"{cfg.block - 1}, got {k}")
+        """k <= γ-1 tokens in one block forward; a longer k chains ⌈k/(γ-1)⌉ blocks, each
+        anchored on the previous block's last token (see `extend`)."""
+        p = self.params
         pend = state.pending
-        b, m = pend.feats.shape[:2]
+        m = pend.feats.shape[1]
         pos = pend.start[:, None] + jnp.arange(m, dtype=jnp.int32)[None]
         ck, cv, c = self._write(state.ck, state.cv, pend.feats, pos)
         new_c = jnp.take_along_axis(c, jnp.maximum(pend.count - 1, 0)[:, None, None], axis=1)
         last_c = jnp.where(pend.count[:, None] > 0, new_c[:, 0], state.last_c)
+        bs = self.block_tokens
+        n_blocks = -(-k // bs)
+        keys = jax.random.split(key, n_blocks)
+        parts = []
+        anchor = ctx.last
+        for j in range(n_blocks):
+            part = self._block(ck, cv, last_c, anchor, ctx.cache_len + j * bs, ctx.cache_len,
+                               min(k, bs), sampling, keys[j])
+            parts.append(part)
+            anchor = part[1][:, -1]
+        h, tokens, q, conf = (jnp.concatenate(xs, axis=1)[:, :k] if xs[0] is not None else None
+                              for xs in zip(*parts, strict=True))
+        vhat = jax.nn.sigmoid(verify_head(p, h))
+        if self.cut > 0:
+            tokens = jnp.where(jnp.cumsum(vhat < self.cut, axis=1) > 0, -1, tokens)
+        return tokens, q, DFlashState(ck=ck, cv=cv, pending=pend, conf=conf, vhat=vhat,
+                                      last_c=last_c, hidden=h.astype(jnp.float32))
+
+    def _block(self, ck: tuple[jax.Array, ...], cv: tuple[jax.Array, ...], last_c: jax.Array,
+               anchor: jax.Array, anchor_pos: jax.Array, ctx_len: jax.Array, k: int,
+               sampling: Sampling, key: jax.Array
+               ) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array]:
+        """One block forward: [anchor, MASK x k] at anchor_pos.. attending to context slots
+        < ctx_len. Returns (hidden f32[B, k, D], tokens i32[B, k], q, conf f32[B, k])."""
+        cfg, p = self.cfg, self.params
+        b = anchor.shape[0]
         gamma = k + 1
-        x = block_inputs(p, self.embed, ctx.last[:, None], gamma, last_c[:, None])  # [B, γ, D]
-        qpos = ctx.cache_len[:, None] + jnp.arange(gamma, dtype=jnp.int32)[None]
+        x = block_inputs(p, self.embed, anchor[:, None], gamma, last_c[:, None])  # [B, γ, D]
+        qpos = anchor_pos[:, None] + jnp.arange(gamma, dtype=jnp.int32)[None]
         slots = jnp.arange(ck[0].shape[1], dtype=jnp.int32)
-        ctx_mask = jnp.broadcast_to(slots[None, None, :] < ctx.cache_len[:, None, None],
+        ctx_mask = jnp.broadcast_to(slots[None, None, :] < ctx_len[:, None, None],
                                     (b, gamma, slots.shape[0]))
         h = block_forward(cfg, p, x, qpos, list(zip(ck, cv, strict=True)), ctx_mask,
                           jnp.ones((b, gamma, gamma), bool))
         h = h[:, 1:]  # [B, k, D]
         tokens, q, conf = choose(draft_logits(cfg, p, self.head, h), self.vocab_ids,
                                  cfg.target_vocab, sampling, key)
-        vhat = jax.nn.sigmoid(verify_head(p, h))
-        if self.cut > 0:
-            tokens = jnp.where(jnp.cumsum(vhat < self.cut, axis=1) > 0, -1, tokens)
-        return tokens, q, DFlashState(ck=ck, cv=cv, pending=pend, conf=conf, vhat=vhat,
-                                      last_c=last_c, hidden=h.astype(jnp.float32))
+        return h, tokens, q, conf
+
+    def extend(self, state: DFlashState, ctx: DraftContext, anchor: jax.Array,
+               offset: jax.Array | int, sampling: Sampling, key: jax.Array
+               ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+        """Draft one more block after `propose`, anchored on an already drafted token.
+
+        Args:
+          state: the state `propose` returned this round (context written up to cache_len).
+          anchor: i32[B] the last drafted token so far; offset: its distance from `last`
+            (the block's anchor sits at position cache_len + offset).
+        Returns:
+          (tokens i32[B, γ-1], q f32[B, γ-1, V] | None, conf f32[B, γ-1]).
+        The target has not scored the drafted tokens between `last` and the anchor, so the
+        block sees the target context only up to cache_len (jspec's choice for extending a
+        block drafter; DFlash was trained with the context ending at the anchor, which is why
+        these blocks are weaker and their confidences are what LibraSpec weighs).
+        """
+        pos = ctx.cache_len + offset
+        _, tokens, q, conf = self._block(state.ck, state.cv, state.last_c, anchor, pos,
+                                         ctx.cache_len, self.block_tokens, sampling, key)
+        return tokens, q, conf
 
 
 def make(cfg: DrafterConfig, params: Params, vocab_ids: Any, target_weights: Any,

@@ -1,0 +1,223 @@
+"""LibraSpec: the ε rule, Algorithm 1 inside the jitted round, exactness, no recompiles."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_model
+from test_speculative import _chi2_two_sample, _thinned
+from test_trained_drafters import PROMPTS, _pad, tiny_drafter
+
+import jspec
+from jspec.length import LibraSpec, default_widths, epsilon_star, parse_length
+
+
+def eps_ref(q: list[float], d: int, alpha: float) -> int:
+    """ε* straight from ALGORITHMS.md §4 (1-based i, j, k)."""
+    best = None
+    for i in range(1, d + 1):
+        total = sum(math.prod(q[k - 1] for k in range(i, j + 1)) for j in range(i, d + 1))
+        e = math.floor(alpha * total + i)
+        best = e if best is None else min(best, e)
+    return best
+
+
+def length_ref(q: list[float], n: int, d_max: int, alpha: float) -> int:
+    """Algorithm 1: draft n; cut to ε* if ε* <= d, else extend to min(ε*, d_max) and repeat."""
+    d = n
+    while True:
+        e = eps_ref(q, d, alpha)
+        if e <= d:
+            return e
+        if d >= d_max:
+            return d
+        d = min(e, d_max)
+
+
+def test_epsilon_star_matches_the_formula():
+    rng = np.random.default_rng(0)
+    conf = rng.uniform(0, 1, (64, 12)).astype(np.float32)
+    conf[:8] = rng.uniform(0.9, 1.0, (8, 12))  # long confident runs
+    d = rng.integers(1, 13, 64).astype(np.int32)
+    for alpha in (0.5, 2.2, 7.0):
+        got = np.asarray(epsilon_star(jnp.asarray(conf), jnp.asarray(d), alpha))
+        want = [eps_ref(list(map(float, conf[b])), int(d[b]), alpha) for b in range(64)]
+        np.testing.assert_array_equal(got, want)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _ScriptState:
+    conf: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ScriptedBlockDrafter:
+    """Proposes token 0 with scripted confidences: row b, drafted position t -> table[b, t]."""
+
+    table: jax.Array  # f32[B, T]
+    block: int = dataclasses.field(metadata=dict(static=True), default=5)
+    name: str = dataclasses.field(metadata=dict(static=True), default="scripted")
+
+    @property
+    def block_tokens(self) -> int:
+        return self.block
+
+    def init_state(self, target, prompt_ids, prompt_lengths, capacity):
+        return _ScriptState(conf=jnp.zeros((prompt_ids.shape[0], self.block), jnp.float32))
+
+    def propose(self, state, ctx, k, sampling, key):
+        c = self.table[:, :k]
+        return jnp.zeros(c.shape, jnp.int32), None, _ScriptState(conf=c)
+
+    def extend(self, state, ctx, anchor, offset, sampling, key):
+        c = jax.lax.dynamic_slice_in_dim(self.table, offset, self.block, axis=1)
+        return jnp.zeros(c.shape, jnp.int32), None, c
+
+
+@pytest.mark.parametrize("n,d_max,alpha", [(4, 12, 2.2), (2, 16, 6.0), (7, 9, 0.7)])
+def test_round_chooses_algorithm1_length(n, d_max, alpha):
+    """The jitted round (blocks of 5 drafted on demand, while-loop fixed point) verifies exactly
+    the length the plain-Python Algorithm 1 picks, per row, for 8 rows of scripted confidences."""
+    model = tiny_model("llama_tied_gqa2", seed=1)
+    rng = np.random.default_rng(1)
+    rows = 8
+    table = np.empty((rows, 20), np.float32)
+    table[0] = 0.99  # always extends to d_max
+    table[1] = 0.01  # cuts at once
+    table[2:] = rng.uniform(0.3, 1.0, (rows - 2, 20))
+    table[3, 6:] = 0.05  # a cliff after 6 confident positions
+    drafter = ScriptedBlockDrafter(jnp.asarray(table))
+    ids = np.tile(np.asarray([[3, 4, 5]], np.int32), (rows, 1))
+    out = jspec.generate(model, ids, max_new_tokens=2, drafter=drafter,
+                         length=LibraSpec(n=n, d_max=d_max, alpha=alpha))
+    st = jax.device_get(out.stats)
+    assert (st.rounds == 1).all()
+    want = [length_ref(list(map(float, table[b])), n, d_max, alpha) for b in range(rows)]
+    np.testing.assert_array_equal(st.drafted, want)
+    assert st.drafted[1] == 1
+    if alpha >= 2:  # confident rows extend to the cap
+        assert st.drafted[0] == d_max
+
+
+@pytest.mark.parametrize("policy", [LibraSpec(n=4, d_max=12, alpha=0.5),
+                                    LibraSpec(n=3, d_max=14, alpha=300.0, widths=(2, 6, 14))])
+def test_greedy_identity_with_dflash(policy):
+    """Greedy LibraSpec output equals autoregressive output; rows choose different lengths."""
+    model, drafter = tiny_drafter("dflash")
+    ids, lens = _pad(PROMPTS)
+    ar = jspec.generate(model, ids, lens, max_new_tokens=24)
+    sp = jspec.generate(model, ids, lens, max_new_tokens=24, drafter=drafter, length=policy)
+    np.testing.assert_array_equal(sp.tokens, ar.tokens)
+    st = jax.device_get(sp.stats)
+    per_round = st.drafted / np.maximum(st.rounds, 1)
+    assert (per_round >= 1).all() and (per_round <= policy.d_max).all()
+    assert (st.oracle >= st.accepted).all()  # the oracle is at least what was accepted
+    if policy.alpha > 100:
+        assert per_round.max() > drafter.block_tokens  # blocks beyond the first were drafted
+
+
+def test_distribution_equivalence_libraspec():
+    """T=1, tiny model and tiny DFlash drafter, LibraSpec(n=3, d_max=10, α=300) so that rows
+    verify different lengths (1..10) and extension blocks are drafted: 10,240 independent rows
+    per side, one token each from new positions 1..5; two-sample χ² (top 40 bins + other),
+    seeded, p > 0.01."""
+    model, drafter = tiny_drafter("dflash")
+    weights = dataclasses.replace(model.weights, embed=model.weights.embed * 0.3)
+    model = jspec.Model(config=model.config.replace(eos_ids=()), weights=weights)
+    sampling = jspec.Sampling(temperature=1.0)
+    rows, n_new = 10_240, 6
+    ids = np.tile(np.asarray([[5, 6, 7, 5, 6, 7, 5, 6]], np.int32), (rows, 1))
+    ar = jspec.generate(model, ids, max_new_tokens=n_new, sampling=sampling, key=jax.random.key(1))
+    sp = jspec.generate(model, ids, max_new_tokens=n_new, sampling=sampling, drafter=drafter,
+                        length=LibraSpec(n=3, d_max=10, alpha=300.0), key=jax.random.key(2))
+    st = jax.device_get(sp.stats)
+    assert st.accepted.sum() > 0.05 * st.rounds.sum()  # drafts are accepted, not bypassed
+    per_round = st.drafted / np.maximum(st.rounds, 1)
+    assert per_round.min() < per_round.max()  # lengths differ between rows
+    a = _thinned(np.asarray(ar.tokens), 5)
+    b = _thinned(np.asarray(sp.tokens), 5)
+    assert a.size >= 10_000 and b.size >= 10_000
+    assert _chi2_two_sample(a, b, top=40) > 0.01
+
+
+def test_no_recompile_on_second_call():
+    model, drafter = tiny_drafter("dflash")
+    ids, lens = _pad(PROMPTS)
+    policy = LibraSpec(n=2, d_max=8, alpha=50.0)
+    jspec.generate(model, ids, lens, max_new_tokens=12, drafter=drafter, length=policy)
+    from jspec.decode import _generate
+    before = _generate._cache_size()
+    jspec.generate(model, ids[::-1], lens[::-1], max_new_tokens=12, drafter=drafter,
+                   length=policy, key=jax.random.key(7))
+    assert _generate._cache_size() == before
+
+
+def test_bad_libraspec_inputs():
+    model, drafter = tiny_drafter("dflash")
+    _, eagle = tiny_drafter("eagle3")
+    ids, lens = _pad(PROMPTS)
+    with pytest.raises(jspec.JspecError, match="block drafter"):
+        jspec.generate(model, ids, lens, max_new_tokens=4, drafter=eagle, length=LibraSpec())
+    with pytest.raises(jspec.JspecError, match="losslessly"):
+        jspec.generate(model, ids, lens, max_new_tokens=4, drafter=drafter, length=LibraSpec(),
+                       verifier=jspec.ASD())
+    for bad in [dict(n=0), dict(n=10, d_max=5), dict(alpha=-1.0), dict(d_max=100),
+                dict(d_max=8, widths=(2, 4)), dict(d_max=8, widths=(4, 2, 8))]:
+        with pytest.raises(jspec.JspecError):
+            LibraSpec(**bad)
+    assert parse_length("libraspec") == LibraSpec()
+    assert parse_length("libraspec:n=4,d_max=8,alpha=1.5") == LibraSpec(4, 8, 1.5)
+    assert parse_length("libraspec:d_max=8,widths=1/3/8").verify_widths == (1, 3, 8)
+    assert default_widths(24) == (1, 2, 4, 8, 16, 24)
+    for bad in ["libraspec:n", "libraspec:q=3", "libraspec:n=x", "dynamic"]:
+        with pytest.raises(jspec.JspecError):
+            parse_length(bad)
+
+
+def test_calibration_algorithm1_and_simulation():
+    """calibrate-length's plain Algorithm 1 equals the reference above; its probe records one
+    (confidences, oracle) pair per round on a tiny model; with a flat cost curve and free
+    drafting the simulation prefers the longest fixed length (more drafted tokens never cost)."""
+    from jspec.calibrate import algorithm1, probe, simulate
+
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        q = rng.uniform(0, 1, 12)
+        n, a = int(rng.integers(1, 13)), float(rng.uniform(0.1, 8))
+        assert algorithm1(q, n, 12, a)[0] == length_ref(list(q), n, 12, a)
+    model, drafter = tiny_drafter("dflash")
+    conf, oracle = probe(model, drafter, [p for p in PROMPTS[:2]], d_max=8, max_new_tokens=12)
+    assert conf.shape == (len(oracle), 8) and len(oracle) >= 2
+    assert ((oracle >= 0) & (oracle <= 8)).all() and ((conf >= 0) & (conf <= 1)).all()
+    flat = {k: 1.0 for k in range(1, 10)}
+    sim = simulate(conf, oracle, flat, 0.0, drafter.block_tokens, 8, (1, 2, 4, 8),
+                   list(range(1, 9)), [1, 4], [0.5, 2.0])
+    best = max(sim["fixed"], key=lambda k: sim["fixed"][k]["speedup"])
+    assert sim["fixed"][8]["speedup"] == sim["fixed"][best]["speedup"]
+    assert len(sim["libraspec"]) == 4
+
+
+@pytest.mark.slow
+def test_libraspec_on_the_real_model(real_model):
+    """Shipped DFlash + LibraSpec (defaults, and a calibrated-style n=4, α=1) on a held-out
+    HumanEval prompt: greedy output identical to autoregressive decoding, lengths that vary
+    from round to round within [1, d_max], drafts accepted above chance."""
+    from jspec.prompts import load_prompt_set
+
+    drafter = jspec.load_drafter("smollm2-135m-dflash", target=real_model)
+    ids = np.asarray([real_model.encode(load_prompt_set("humaneval:1")[0]["text"])])
+    ar = jspec.generate(real_model, ids, max_new_tokens=48)
+    for policy in (LibraSpec(), LibraSpec(n=4, d_max=16, alpha=1.0)):
+        sp = jspec.generate(real_model, ids, max_new_tokens=48, drafter=drafter, length=policy)
+        np.testing.assert_array_equal(np.asarray(sp.tokens), np.asarray(ar.tokens))
+        st = jax.device_get(sp.stats)
+        assert 1 <= st.drafted[0] / st.rounds[0] <= policy.d_max
+        assert st.drafted[0] != st.rounds[0] * policy.n  # the length was not left at n
+        assert float(sp.stats.mean_accepted()[0]) >= 1.1
