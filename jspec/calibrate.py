@@ -216,6 +216,10 @@ def main(args: argparse.Namespace) -> int:
            "best": best, "fixed": sim["fixed"], "grid": sim["libraspec"],
            "seconds": time.time() - t0}
     args.out.write_text(json.dumps(out, indent=1))
+    # The recorded rounds, for re-simulation without re-decoding.
+    np.savez(args.out.with_suffix(".npz"), conf=conf, oracle=oracle,
+             t_verify=np.asarray([[k, t] for k, t in sorted(t_verify.items())]),
+             t_block=np.float64(t_block))
     print(f"\nc(K) on this machine (fill {args.fill}): "
           + " ".join(f"c({k})={v:.2f}" for k, v in c.items())
           + f"; one drafter block = {t_block / t_verify[1]:.2f} t(1)")
