@@ -133,3 +133,44 @@ def tree_round(config: ModelConfig, weights: Weights, drafter: Any, state: SpecS
         emitted = emitted.at[rows, n].set(nxt)
         state = commit(state, emitted, n + 1, eos_ids, new_cache, n, tree.tokens.shape[1] - 1)
     return dataclasses.replace(state, key=key, drafter=dstate)
+
+
+def verify_cost(model: Any, drafter: Any, k: int, fill: int = 400, repeats: int = 5
+                ) -> dict[str, float]:
+    """c(tree) = t(target forward over the T-node tree) / t(1-token forward), host-side.
+
+    Measured like `bench.cost_curve`'s c(K): batch 1, `fill` tokens already cached, float32,
+    median of `repeats` after a warm-up, the tree being `drafter`'s layout for chain length k
+    (boundaries 0..K-1; the cost does not depend on which).
+    """
+    import statistics  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    from jspec.drafters.d2sd import tree_layout  # noqa: PLC0415
+
+    cfg = model.config
+    n_br = drafter.num_branches(k)
+    parents, depth, _ = tree_layout(k, n_br, drafter.branch_len,
+                                    jnp.arange(n_br, dtype=jnp.int32)[None])
+    t = parents.shape[1]
+    cap = -(-(fill + t + 1) // 128) * 128
+
+    @jax.jit
+    def fwd(w, toks, pos, cache, parents):
+        out = forward(cfg, w, toks, pos, cache, mask=Tree(parents))
+        return out.logits, out.cache
+
+    def timed(toks, pos, par):
+        cache = KVCache.create(cfg, 1, cap).with_lengths(jnp.array([fill], jnp.int32))
+        jax.block_until_ready(fwd(model.weights, toks, pos, cache, par))
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fwd(model.weights, toks, pos, cache, par))
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    one = timed(jnp.full((1, 1), 42, jnp.int32), jnp.array([[fill]], jnp.int32),
+                jnp.full((1, 1), -1, jnp.int32))
+    tree = timed(jnp.full((1, t), 42, jnp.int32), fill + depth, parents)
+    return {"nodes": t, "ms_1": 1000 * one, "ms_tree": 1000 * tree, "c": tree / one}
