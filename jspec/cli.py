@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drafter", help="speculative decoding with this drafter: ngram[:n=N], "
                                      "early-exit:N, a shipped trained drafter "
                                      "(smollm2-135m-eagle3, smollm2-135m-dflash, "
-                                     "smollm2-135m-d2sd[:branches=4,branch_len=3] = D²SD tree "
+                                     "smollm2-135m-d2sd[:branches=4,branch_len=1] = D²SD tree "
                                      "drafting, use --k 7), or a draft model directory / .gguf "
                                      "(default: plain autoregressive decoding)")
     g.add_argument("--k", type=int, help="drafted tokens verified per round (default 5); "

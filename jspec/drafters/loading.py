@@ -85,7 +85,7 @@ def load_drafter(name_or_path: str | os.PathLike, *, target: Any = None) -> Any:
     first N layers + its final norm and LM head); a shipped trained drafter
     ("smollm2-135m-eagle3", "smollm2-135m-dflash", optionally ":cut=0.5" to stop drafting where
     the VAT verification head's probability falls below 0.5; "smollm2-135m-d2sd", the D²SD tree
-    drafter, optionally ":branches=4,branch_len=3") or a `.safetensors` file written
+    drafter, optionally ":branches=4,branch_len=1" (the defaults)) or a `.safetensors` file written
     by `python -m train`; a Hugging Face directory or .gguf file of a small Llama-family model
     with the target's tokenizer. `target` may be omitted for trained drafters (their target is
     loaded by name).
