@@ -184,6 +184,11 @@ class D2SD:
     may_abstain = False
 
     @property
+    def cfg(self) -> DrafterConfig:
+        """The first drafter's config (both share feature layers, heads and vocabulary)."""
+        return self.first.cfg
+
+    @property
     def feature_layers(self) -> tuple[int, ...]:
         return self.first.cfg.feature_layers
 
