@@ -243,6 +243,9 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
     if bar:
         bar.close()
     cost = cost_curve(model, (1, 8), args.fill, 5)
+    from jspec.tree import is_tree_drafter, verify_cost  # noqa: PLC0415
+    tree_c = {f"{d}@{k}": verify_cost(model, loaded[d], k, args.fill)  # c of a D²SD tree forward
+              for d in drafters if is_tree_drafter(loaded[d]) for k in drafter_ks[d]}
     hf_rows = _hf_speculative_rows(args, model, enc, drafters) if 0.0 in temps else []
     out_rows = []
     table = []
@@ -284,11 +287,13 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
                       "-", "-", "-", "-", "-", "-"])
     _print_table(f"Speculative decoding on {args.prompts} ({len(enc)} prompts, batch 1, "
                  f"{args.new_tokens} new tokens, median of {args.repeats} sweeps); "
-                 f"rho_8 = t(8)/t(1) = {cost['c'][8]:.2f}",
+                 f"rho_8 = t(8)/t(1) = {cost['c'][8]:.2f}"
+                 + "".join(f"; {n}: tree of {c['nodes']} nodes, c = t(tree)/t(1) = {c['c']:.2f}"
+                           for n, c in tree_c.items()),
                  ["T", "drafter", "K", "mean d", "|d-oracle|", "verifier", "tokens/s",
                   "speedup", "tau", "accept",
                   "acceptance by position", "changed", "NLL/token", "TV/token", "score"], table)
-    return {"prompts": args.prompts, "rows": out_rows, "rho_8": cost["c"][8],
+    return {"prompts": args.prompts, "rows": out_rows, "rho_8": cost["c"][8], "tree_c": tree_c,
             "new_tokens": args.new_tokens, "repeats": args.repeats}
 
 

@@ -56,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="weights/activations dtype (float32 is fastest on CPU)")
     g.add_argument("--drafter", help="speculative decoding with this drafter: ngram[:n=N], "
-                                     "early-exit:N, or a draft model directory / .gguf "
+                                     "early-exit:N, a shipped trained drafter "
+                                     "(smollm2-135m-eagle3, smollm2-135m-dflash, "
+                                     "smollm2-135m-d2sd[:branches=4,branch_len=1] = D²SD tree "
+                                     "drafting, use --k 7), or a draft model directory / .gguf "
                                      "(default: plain autoregressive decoding)")
     g.add_argument("--k", type=int, help="drafted tokens verified per round (default 5); "
                                           "short for --length fixed:K")

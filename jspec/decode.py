@@ -430,6 +430,10 @@ def make_round(config: ModelConfig, weights: Weights, drafter: Any, *, k: int,
     if isinstance(length, LibraSpec):
         return functools.partial(libraspec_round, config, weights, drafter, policy=length,
                                  sampling=sampling, eos_ids=eos_ids, verifier=verifier)
+    if getattr(drafter, "is_tree", False):  # D²SD: a prefix tree per round (jspec/tree.py)
+        from jspec.tree import tree_round  # noqa: PLC0415
+        return functools.partial(tree_round, config, weights, drafter, k=k, sampling=sampling,
+                                 eos_ids=eos_ids, verifier=verifier)
     return functools.partial(speculative_round, config, weights, drafter, k=k, sampling=sampling,
                              eos_ids=eos_ids, verifier=verifier)
 
@@ -688,10 +692,12 @@ def _statics(model: Model, ids: jax.Array, drafter: Any, sampling: Sampling, max
         k = length.max_k
     elif verifier is not None or length is not None:
         raise JspecError("verifier= and length= need a drafter")
-    cap = capacity or cache_capacity(ids.shape[1], max_new_tokens, k)
-    if cap < ids.shape[1] + max_new_tokens + k + 1:
+    # Slots a round writes beyond `last`: k, or a tree drafter's T - 1 nodes.
+    look = drafter.lookahead(k) if hasattr(drafter, "lookahead") else k
+    cap = capacity or cache_capacity(ids.shape[1], max_new_tokens, look)
+    if cap < ids.shape[1] + max_new_tokens + look + 1:
         raise JspecError(f"prompt width {ids.shape[1]} + max_new_tokens {max_new_tokens} + a "
-                         f"verify block of {k + 1} does not fit the cache capacity {cap}")
+                         f"verify block of {look + 1} does not fit the cache capacity {cap}")
     return dict(config=model.config, sampling=sampling, max_new_tokens=max_new_tokens,
                 capacity=cap, eos_ids=model.eos_ids, k=k, verifier=verifier,
                 length=length if isinstance(length, LibraSpec) else None,

@@ -56,8 +56,16 @@ def _drafter_cfg(kind: str, model: jspec.Model) -> DrafterConfig:
 
 @functools.cache
 def _trained(kind: str) -> tuple[jspec.Model, object]:
-    """A tiny target and a randomly initialised trained-style drafter (EAGLE-3 / DFlash)."""
+    """A tiny target and a randomly initialised trained-style drafter (EAGLE-3 / DFlash /
+    D²SD: two DFlash parameter sets)."""
     model = tiny_model("mesh_gqa", seed=1)
+    if kind == "d2sd":
+        from jspec.drafters import d2sd
+
+        first = _trained("dflash")[1]
+        second = dflash.init_params(first.cfg, jax.random.key(5))
+        return model, d2sd.make(first, dataclasses.replace(first.cfg, kind="d2sd"), second,
+                                np.asarray(first.vocab_ids), model.weights, branch_len=2)
     cfg = _drafter_cfg(kind, model)
     mod = {"eagle3": eagle3, "dflash": dflash}[kind]
     params = mod.init_params(cfg, jax.random.key(3))
@@ -101,7 +109,7 @@ def test_greedy_on_meshes_equals_single_device(drafter_name):
     _check_greedy("mesh_gqa", drafter_name, MESHES)
 
 
-@pytest.mark.parametrize("drafter_name", ["dflash", pytest.param("draft-model", marks=slow),
+@pytest.mark.parametrize("drafter_name", ["dflash", "d2sd", pytest.param("draft-model", marks=slow),
                                           pytest.param("eagle3", marks=slow)])
 def test_greedy_drafters_with_weights_on_a_mesh(drafter_name):
     """Drafters with their own weights / params / caches: same check on 2x4."""

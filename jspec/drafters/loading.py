@@ -27,10 +27,14 @@ def _kv_args(spec: str) -> dict[str, int]:
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 # Trained drafters shipped with jspec: name -> file in jspec/assets.
 SHIPPED = {"smollm2-135m-eagle3": "smollm2-135m-eagle3.safetensors",
-           "smollm2-135m-dflash": "smollm2-135m-dflash.safetensors"}
+           "smollm2-135m-dflash": "smollm2-135m-dflash.safetensors",
+           # D²SD's second (variable-prefix) drafter; its file names the first (the DFlash).
+           "smollm2-135m-d2sd": "smollm2-135m-d2sd.safetensors"}
+TREE_OPTIONS = ("branches", "branch_len")  # D²SD: tree shape (static)
 
 
-def _trained(path: Path, target: Any, cut: float | None, name: str) -> Any:
+def _trained(path: Path, target: Any, cut: float | None, name: str,
+             tree_opts: dict[str, int] | None = None) -> Any:
     from jspec.drafters import dflash, eagle3  # noqa: PLC0415
     from jspec.drafters.trained import check_target, load_drafter_file  # noqa: PLC0415
     from jspec.models.model import load_model  # noqa: PLC0415
@@ -41,6 +45,10 @@ def _trained(path: Path, target: Any, cut: float | None, name: str) -> Any:
             raise JspecError(f"{path} does not name its target: pass target=")
         target = load_model(cfg.target)
     check_target(cfg, target.config)
+    if cfg.kind == "d2sd":
+        return _d2sd(path, cfg, params, vocab, target, cut, name, tree_opts or {})
+    if tree_opts:
+        raise JspecError(f"{sorted(tree_opts)}: only D2SD drafters take tree options")
     mod = {"eagle3": eagle3, "dflash": dflash}.get(cfg.kind)
     if mod is None:
         raise JspecError(f"{path}: unknown drafter kind {cfg.kind!r}")
@@ -51,13 +59,33 @@ def _trained(path: Path, target: Any, cut: float | None, name: str) -> Any:
     return mod.make(cfg, params, vocab, target.weights, cut=cut, name=name)
 
 
+def _d2sd(path: Path, cfg: Any, params: Any, vocab: Any, target: Any, cut: float | None,
+          name: str, tree_opts: dict[str, int]) -> Any:
+    """The D²SD tree drafter: the first drafter named in the file's metadata + this one."""
+    from safetensors import safe_open  # noqa: PLC0415
+
+    from jspec.drafters import d2sd  # noqa: PLC0415
+
+    if cut is not None:
+        raise JspecError("D2SD drafts whole blocks: cut= does not apply")
+    with safe_open(str(path), "np") as f:
+        first_ref = (f.metadata() or {}).get(d2sd.META_FIRST)
+    if not first_ref:
+        raise JspecError(f"{path} does not name its first drafter ({d2sd.META_FIRST})")
+    if first_ref not in SHIPPED and not Path(first_ref).is_absolute():
+        first_ref = str(path.parent / first_ref)
+    first = load_drafter(first_ref, target=target)
+    return d2sd.make(first, cfg, params, vocab, target.weights, name=name, **tree_opts)
+
+
 def load_drafter(name_or_path: str | os.PathLike, *, target: Any = None) -> Any:
     """A drafter for `target` (a loaded Model).
 
     Accepts: "ngram" or "ngram:n=3" / "ngram:n_max=4,n_min=2"; "early-exit:N" (the target's
     first N layers + its final norm and LM head); a shipped trained drafter
     ("smollm2-135m-eagle3", "smollm2-135m-dflash", optionally ":cut=0.5" to stop drafting where
-    the VAT verification head's probability falls below 0.5) or a `.safetensors` file written
+    the VAT verification head's probability falls below 0.5; "smollm2-135m-d2sd", the D²SD tree
+    drafter, optionally ":branches=4,branch_len=1" (the defaults)) or a `.safetensors` file written
     by `python -m train`; a Hugging Face directory or .gguf file of a small Llama-family model
     with the target's tokenizer. `target` may be omitted for trained drafters (their target is
     loaded by name).
@@ -68,10 +96,15 @@ def load_drafter(name_or_path: str | os.PathLike, *, target: Any = None) -> Any:
     kind, _, arg = name.partition(":")
     if kind in SHIPPED or kind.endswith(".safetensors"):
         cut = None
+        tree_opts = {}
         for part in filter(None, arg.split(",")):
             k, sep, v = part.partition("=")
+            if k in TREE_OPTIONS and sep:
+                tree_opts.update(_kv_args(part))
+                continue
             if k != "cut" or not sep:
-                raise JspecError(f"bad trained-drafter option {part!r}: only cut=P")
+                raise JspecError(f"bad trained-drafter option {part!r}: cut=P (D2SD: "
+                                 "branches=N, branch_len=N)")
             try:
                 cut = float(v)
             except ValueError as e:
@@ -79,7 +112,7 @@ def load_drafter(name_or_path: str | os.PathLike, *, target: Any = None) -> Any:
         path = ASSETS / SHIPPED[kind] if kind in SHIPPED else Path(kind).expanduser()
         if not path.is_file():
             raise ModelLoadError(f"drafter file {path} not found")
-        return _trained(path, target, cut, name)
+        return _trained(path, target, cut, name, tree_opts)
     if target is None:
         raise JspecError(f"load_drafter({name!r}) needs target=")
     if kind == "ngram":

@@ -181,8 +181,10 @@ class Pending:
 
 
 def save_drafter(path: str | Path, cfg: DrafterConfig, params: Params, vocab_ids: np.ndarray,
-                 dtype: str = "bfloat16") -> None:
-    """safetensors with the config (metadata), the draft vocabulary and the parameters."""
+                 dtype: str = "bfloat16", extra_metadata: dict[str, str] | None = None) -> None:
+    """safetensors with the config (metadata), the draft vocabulary and the parameters.
+
+    `extra_metadata`: more string entries for the header (D²SD names its first drafter)."""
     from safetensors.numpy import save_file  # noqa: PLC0415
 
     path = Path(path)
@@ -195,7 +197,7 @@ def save_drafter(path: str | Path, cfg: DrafterConfig, params: Params, vocab_ids
         else:
             out[k] = a.astype(dtype)
     tmp = path.with_suffix(".tmp")
-    save_file(out, str(tmp), metadata={"jspec_drafter": cfg.to_json()})
+    save_file(out, str(tmp), metadata={"jspec_drafter": cfg.to_json(), **(extra_metadata or {})})
     tmp.replace(path)
 
 

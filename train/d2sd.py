@@ -1,0 +1,320 @@
+"""`python -m train d2sd`: the variable-prefix second drafter of D²SD (ALGORITHMS.md §5).
+
+A fine-tune of a DFlash drafter (default: the shipped smollm2-135m-dflash, whose parameters,
+draft vocabulary and feature statistics it starts from). Each sampled block gets a prefix
+length l with P(l = j) ∝ β^j, j = 0..γ-2; the block input is [anchor, t*_1..t*_l known,
+MASK..] (`jspec.drafters.d2sd.block_inputs_prefix`) and the loss is
+  -Σ_{k>l} w_k log p_k(t*_k) / Σ w_k,   w_k = exp(-(k-l-1)/τ),
+over all blocks of the batch (t* = the target's token; tokens outside the draft vocabulary are
+skipped). Defaults β = 0.9, τ = 7, γ = the first drafter's block.
+
+Not simulated in training: at inference the branch's first slot excludes the first drafter's
+token (a second drafter forward per step would double the cost).
+
+Infrastructure as `python -m train dflash`: Optax AdamW with warmup + cosine decay and
+global-norm clipping; Orbax checkpoints and resume (batches, anchors and prefix lengths are
+functions of (seed, step)); progress bar; held-out evaluation (also at step 0: the first
+drafter itself as a variable-prefix drafter). The result is a drafter file of kind "d2sd" whose
+metadata names the first drafter; `jspec.load_drafter` builds the tree drafter from both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.drafters import d2sd
+from jspec.drafters.loading import ASSETS, SHIPPED
+from jspec.drafters.trained import (
+    FROZEN,
+    DrafterConfig,
+    Params,
+    draft_logits,
+    load_drafter_file,
+    save_drafter,
+)
+from train.drafters import (
+    Rows,
+    batches_for,
+    coverage,
+    data_layers,
+    load_rows,
+    make_batch,
+    sample_positions,
+)
+
+
+def resolve_init(init: str) -> tuple[Path, str]:
+    """(file, reference stored in the output) for --init: a shipped name or a file."""
+    if init in SHIPPED:
+        return ASSETS / SHIPPED[init], init
+    path = Path(init).expanduser().resolve()
+    if not path.is_file():
+        raise SystemExit(f"error: --init {init}: not a shipped drafter name nor a file")
+    return path, str(path)
+
+
+def prefix_lengths(rng: np.random.Generator, shape: tuple[int, ...], gamma: int,
+                   beta: float) -> np.ndarray:
+    """i32[shape]: l with P(l = j) ∝ β^j, j = 0..γ-2."""
+    p = beta ** np.arange(gamma - 1, dtype=np.float64)
+    return rng.choice(gamma - 1, size=shape, p=p / p.sum()).astype(np.int32)
+
+
+def block_loss(logits: jax.Array, hard: jax.Array, valid: jax.Array, prefix: jax.Array,
+               tau: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The variable-prefix loss and simulated-greedy metrics.
+
+    Args (N blocks, K = γ-1 slots, Vd draft vocabulary):
+      logits f32[N, K, Vd]: slot j+1's prediction at [:, j]; hard i32[N, K] the target token
+      as a draft index (-1: outside it); valid bool[N, K]; prefix i32[N] known slots l.
+    """
+    kk = logits.shape[1]
+    slot = jnp.arange(1, kk + 1)[None]  # [1, K]
+    after = slot > prefix[:, None]
+    logq = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logq, jnp.maximum(hard, 0)[..., None], axis=-1)[..., 0]
+    w = jnp.where(after, jnp.exp(-(slot - prefix[:, None] - 1) / tau), 0.0)
+    w = w * (valid & (hard >= 0))
+    loss = jnp.sum(w * nll) / jnp.maximum(jnp.sum(w), 1e-6)
+    # Simulated greedy verification of the re-drafted part: matches from slot l+1 on.
+    match = (jnp.argmax(logits, -1) == hard) & valid
+    run = jnp.cumprod(jnp.where(after, match, True).astype(jnp.int32), axis=1) * after
+    accepted = jnp.sum(run, axis=1)
+    first = jnp.take_along_axis(valid & after, jnp.minimum(prefix, kk - 1)[:, None], axis=1)[:, 0]
+    first = first & (prefix < kk)
+    n = jnp.maximum(jnp.sum(first), 1)
+    hit1 = jnp.take_along_axis(match, jnp.minimum(prefix, kk - 1)[:, None], axis=1)[:, 0]
+    return loss, {"loss": loss, "acc_first": jnp.sum(hit1 & first) / n,
+                  "tau_sim": 1.0 + jnp.sum(jnp.where(first, accepted, 0)) / n}
+
+
+def forward_blocks(cfg: DrafterConfig, params: Params, frozen: dict[str, Any],
+                   batch: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
+    """(logits, hard, valid, prefix) flattened over the batch's blocks."""
+    tokens, lens = batch["tokens"], batch["lens"]
+    feats = batch["feats"].astype(jnp.float32)
+    params = {**params, **frozen["stats"]}
+    s = tokens.shape[1]
+    gamma = cfg.block
+    anchors, prefix = batch["pos"], batch["prefix"]
+    h = d2sd.train_forward(cfg, params, frozen["embed"], tokens, feats, anchors, prefix, gamma)
+    hsel = h[:, :, 1:]
+    tpos = anchors[..., None] + jnp.arange(1, gamma)[None, None]
+    valid = batch["valid"][..., None] & (tpos < lens[:, None, None])
+    b, n, kk = tpos.shape
+    tpc = jnp.minimum(tpos, s - 1).reshape(b, n * kk)
+    hard = frozen["to_draft"][jnp.take_along_axis(tokens, tpc, axis=1)].reshape(b, n, kk)
+    logits = draft_logits(cfg, params, frozen["head"], hsel)
+    return (logits.reshape(b * n, kk, -1), hard.reshape(b * n, kk), valid.reshape(b * n, kk),
+            prefix.reshape(b * n))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "tx", "tau"),
+                   donate_argnames=("params", "opt_state"))
+def train_step(params: Params, opt_state: Any, frozen: dict[str, Any], batch: dict[str, jax.Array],
+               *, cfg: DrafterConfig, tx: Any, tau: float
+               ) -> tuple[Params, Any, dict[str, jax.Array]]:
+    import optax  # noqa: PLC0415
+
+    def loss_fn(p):
+        return block_loss(*forward_blocks(cfg, p, frozen, batch), tau=tau)
+
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    metrics["grad_norm"] = optax.global_norm(grads)
+    return params, opt_state, metrics
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "tau"))
+def eval_step(params: Params, frozen: dict[str, Any], batch: dict[str, jax.Array], *,
+              cfg: DrafterConfig, tau: float) -> dict[str, jax.Array]:
+    return block_loss(*forward_blocks(cfg, params, frozen, batch), tau=tau)[1]
+
+
+def _blocks(args: argparse.Namespace, rows: Rows, seq: int, idx: list[int], feat_idx: list[int],
+            gamma: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    b = make_batch(rows, idx, seq, feat_idx)
+    b["pos"], b["valid"] = sample_positions(rng, b["lens"], b["plens"], args.anchors, 0, 2)
+    b["prefix"] = prefix_lengths(rng, b["pos"].shape, gamma, args.beta)
+    return b
+
+
+def batch_for_step(args: argparse.Namespace, rows: Rows, plan: list, step: int,
+                   feat_idx: list[int], gamma: int) -> dict[str, np.ndarray]:
+    """Batch `step`: a pure function of (seed, step) (resumable, deterministic)."""
+    epoch, i = divmod(step, len(plan))
+    perm = np.random.default_rng([args.seed, epoch]).permutation(len(plan))
+    seq, idx = plan[perm[i]]
+    return _blocks(args, rows, seq, idx, feat_idx, gamma,
+                   np.random.default_rng([args.seed, epoch, i, 2]))
+
+
+def evaluate(args: argparse.Namespace, rows: Rows, plan: list, feat_idx: list[int],
+             cfg: DrafterConfig, params: Params, frozen: dict[str, Any]) -> dict[str, float]:
+    acc: dict[str, list[float]] = {}
+    for j, (seq, idx) in enumerate(plan):
+        b = _blocks(args, rows, seq, idx, feat_idx, cfg.block,
+                    np.random.default_rng([args.seed, 10**6 + j]))
+        m = eval_step(params, frozen, {k: jnp.asarray(v) for k, v in b.items()}, cfg=cfg,
+                      tau=args.tau)
+        for k, v in m.items():
+            acc.setdefault(k, []).append(float(v))
+    return {k: float(np.mean(v)) for k, v in acc.items()}
+
+
+def run(args: argparse.Namespace) -> int:
+    import optax  # noqa: PLC0415
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+    from tqdm import tqdm  # noqa: PLC0415
+
+    from jspec.models.model import load_model  # noqa: PLC0415
+
+    if not 0 < args.beta <= 1 or args.tau <= 0:
+        raise SystemExit("error: need 0 < --beta <= 1 and --tau > 0")
+    init_path, first_ref = resolve_init(args.init)
+    cfg0, params0, vocab = load_drafter_file(init_path)
+    if cfg0.kind not in ("dflash", "d2sd"):
+        raise SystemExit(f"error: --init must be a DFlash drafter, got kind {cfg0.kind!r}")
+    gamma = args.block or cfg0.block
+    if not 2 <= gamma <= cfg0.block:
+        raise SystemExit(f"error: --block must be in [2, {cfg0.block}] (the first drafter's)")
+    cfg = dataclasses.replace(cfg0, kind="d2sd", block=gamma, vat=False)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    target = load_model(args.model)
+    recorded = data_layers(args.data)
+    missing = set(cfg.feature_layers) - set(recorded)
+    if missing:
+        raise SystemExit(f"error: the data lacks feature layers {sorted(missing)}")
+    feat_idx = [recorded.index(i) for i in cfg.feature_layers]
+    rows = load_rows(args.data, heldout=False, sets=args.sets)
+    try:
+        held = load_rows(args.data, heldout=True, sets=args.sets)
+    except SystemExit:
+        print("warning: no held-out shards: no held-out evaluation", flush=True)
+        held = Rows([], [], [])
+        args.eval_every = 0
+    to_draft = np.full((target.config.vocab_size,), -1, np.int32)
+    to_draft[vocab] = np.arange(len(vocab), dtype=np.int32)
+    embed = target.weights.embed.astype(jnp.float32)
+    stats = {k: params0[k] for k in FROZEN}
+    frozen = {"embed": embed, "head": jnp.take(embed, jnp.asarray(vocab), axis=0),
+              "to_draft": jnp.asarray(to_draft), "stats": stats}
+    plan = batches_for(rows, tuple(args.seq_buckets), args.batch_tokens)
+    held_plan = (batches_for(held, tuple(args.seq_buckets), args.batch_tokens)[: args.eval_batches]
+                 if len(held) else [])
+    print(f"train d2sd (fine-tune of {first_ref}, γ={gamma}, β={args.beta}, τ={args.tau}): "
+          f"{len(rows)} sequences, {len(plan)} batches/epoch; held-out {len(held)} sequences; "
+          f"draft vocab covers {coverage(rows, vocab):.1%} of training response tokens",
+          flush=True)
+    params = {k: v for k, v in params0.items() if k not in FROZEN}
+    warmup = min(args.warmup, max(args.steps - 1, 0))
+    sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, max(args.steps, warmup + 1),
+                                               end_value=args.lr * 0.05)
+    tx = optax.chain(optax.clip_by_global_norm(args.clip),
+                     optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=args.weight_decay))
+    opt_state = tx.init(params)
+    mngr = ocp.CheckpointManager(out / "ckpt", options=ocp.CheckpointManagerOptions(
+        max_to_keep=2, save_interval_steps=args.ckpt_every))
+    step = 0
+    log = open(out / "log.jsonl", "a")  # noqa: SIM115 (closed at the end)
+    if mngr.latest_step() is not None:
+        step = int(mngr.latest_step())
+        restored = mngr.restore(step, args=ocp.args.StandardRestore(
+            {"params": params, "opt_state": opt_state}))
+        params, opt_state = restored["params"], restored["opt_state"]
+        print(f"resumed from the checkpoint at step {step}", flush=True)
+    elif args.eval_every and held_plan:
+        ev = evaluate(args, held, held_plan, feat_idx, cfg, params, frozen)
+        print(f"step 0 (the first drafter): held-out tau_sim {ev['tau_sim']:.3f} "
+              f"acc_first {ev['acc_first']:.3f} loss {ev['loss']:.3f}", flush=True)
+        log.write(json.dumps({"step": 0, **{f"heldout_{k}": v for k, v in ev.items()}}) + "\n")
+    bar = tqdm(range(step, args.steps), initial=step, total=args.steps, unit="step",
+               dynamic_ncols=True)
+    t0 = time.perf_counter()
+    ema: dict[str, float] = {}
+    for step in bar:
+        batch = batch_for_step(args, rows, plan, step, feat_idx, gamma)
+        params, opt_state, m = train_step(params, opt_state, frozen,
+                                          {k: jnp.asarray(v) for k, v in batch.items()},
+                                          cfg=cfg, tx=tx, tau=args.tau)
+        m = {k: float(v) for k, v in m.items()}
+        for k, v in m.items():
+            ema[k] = v if k not in ema else 0.9 * ema[k] + 0.1 * v
+        bar.set_postfix(loss=f"{ema['loss']:.3f}", acc_first=f"{ema['acc_first']:.2f}",
+                        tau_sim=f"{ema['tau_sim']:.2f}")
+        rec = {"step": step + 1, **m, "time": time.perf_counter() - t0}
+        done = step + 1
+        if args.eval_every and (done % args.eval_every == 0 or done == args.steps):
+            ev = evaluate(args, held, held_plan, feat_idx, cfg, params, frozen)
+            rec.update({f"heldout_{k}": v for k, v in ev.items()})
+            bar.write(f"step {done}: held-out tau_sim {ev['tau_sim']:.3f} "
+                      f"acc_first {ev['acc_first']:.3f} loss {ev['loss']:.3f}")
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+        mngr.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+    log.close()
+    mngr.wait_until_finished()
+    if mngr.latest_step() != args.steps and args.steps > 0:
+        mngr.save(args.steps, args=ocp.args.StandardSave({"params": params,
+                                                          "opt_state": opt_state}), force=True)
+        mngr.wait_until_finished()
+    final = out / f"{args.name or 'd2sd'}.safetensors"
+    save_drafter(final, cfg, {**params, **stats}, vocab,
+                 dtype="float32" if args.f32 else "bfloat16",
+                 extra_metadata={d2sd.META_FIRST: first_ref})
+    print(f"wrote {final} ({final.stat().st_size / 2**20:.1f} MiB) after {args.steps} steps",
+          flush=True)
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    help_ = "train the D²SD variable-prefix second drafter (a fine-tune of a DFlash drafter)"
+    p = sub.add_parser("d2sd", help=help_, description=help_ + ".")
+    p.set_defaults(func=run)
+    p.add_argument("--init", default="smollm2-135m-dflash",
+                   help="first drafter (shipped name or .safetensors file): the starting "
+                        "parameters, draft vocabulary and feature statistics; its reference is "
+                        "stored in the output so that load_drafter can pair the two")
+    p.add_argument("--data", default="runs/data", help="datagen shard directory")
+    p.add_argument("--out", default="runs/d2sd",
+                   help="run directory: checkpoints, log.jsonl, the drafter file")
+    p.add_argument("--name", default="", help="drafter file name (default: d2sd)")
+    p.add_argument("--model", default="smollm2-135m", help="target model")
+    p.add_argument("--sets", nargs="*", default=None,
+                   help="prompt sets to train on (default: every set in --data)")
+    p.add_argument("--block", type=int, default=0,
+                   help="block size γ (default 0: the first drafter's block)")
+    p.add_argument("--beta", type=float, default=0.9,
+                   help="prefix-length distribution: P(l = j) ∝ beta^j, j = 0..γ-2")
+    p.add_argument("--tau", type=float, default=7.0,
+                   help="position-weight decay: w_k = exp(-(k-l-1)/tau)")
+    p.add_argument("--steps", type=int, default=240, help="optimizer steps")
+    p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (a fine-tune)")
+    p.add_argument("--warmup", type=int, default=10, help="linear warmup steps")
+    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    p.add_argument("--batch-tokens", type=int, default=4096,
+                   help="tokens per batch (rows x sequence bucket)")
+    p.add_argument("--seq-buckets", type=int, nargs="+", default=[256, 512],
+                   help="padded sequence lengths (longer rows keep their last tokens)")
+    p.add_argument("--anchors", type=int, default=48,
+                   help="anchors (blocks) sampled per sequence per step")
+    p.add_argument("--ckpt-every", type=int, default=25, help="Orbax checkpoint interval")
+    p.add_argument("--eval-every", type=int, default=80,
+                   help="held-out simulated τ every N steps, at step 0 and at the end (0: never)")
+    p.add_argument("--eval-batches", type=int, default=4, help="held-out batches per eval")
+    p.add_argument("--seed", type=int, default=0, help="seed of batches, anchors and prefixes")
+    p.add_argument("--f32", action="store_true",
+                   help="write the drafter in float32 (default bfloat16, half the size)")
