@@ -254,7 +254,8 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
         tps = statistics.median(res["tps"])
         ar = statistics.median(results[(temp, None, 0, "lossless")]["tps"])
         rounds, emitted, accepted, drafted, oracle, gap, tv_sum, tv_n, *acc = res["stats"]
-        dynamic = isinstance(k, str) or (dname is not None and vname == "lossless")
+        dynamic = isinstance(k, str) or (dname is not None and vname == "lossless"
+                                         and not is_tree_drafter(loaded[dname]))
         row = {"temperature": temp, "drafter": dname or "autoregressive", "k": k,
                "verifier": vname, "tokens_per_s": tps, "speedup": tps / ar,
                "tau": emitted / max(rounds, 1),

@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "training, disjoint from the benchmarks' humaneval:8)")
     cl.add_argument("--max-new-tokens", type=int, default=96, help="tokens per prompt (default 96)")
     cl.add_argument("--fill", type=int, default=400, help="cache fill for t(K) (default 400)")
-    cl.add_argument("--repeats", type=int, default=5, help="timing repeats, median (default 5)")
+    cl.add_argument("--repeats", type=int, default=20,
+                    help="interleaved timing sweeps over K, median per K (default 20)")
     cl.add_argument("--out", type=Path, default=Path("libraspec_calibration.json"),
                     help="where to save the measurements and the grid "
                          "(default libraspec_calibration.json)")
