@@ -273,7 +273,8 @@ def libraspec_round(config: ModelConfig, weights: Weights, drafter: Any, state: 
                     verifier: Any) -> SpecState:
     """A round whose speculation length is chosen per row by LibraSpec (`jspec.length`).
 
-    Draft ⌈n / b⌉ blocks of b = drafter.block_tokens; then, Algorithm 1 as a bounded
+    Draft min(n, b) tokens in a first block (b = drafter.block_tokens), then whole blocks of b
+    until n are drafted; then, Algorithm 1 as a bounded
     fixed-point iteration: ε* over the first d confidences either cuts d (ε* ≤ d) or extends it
     to min(ε*, d_max), and a further block is drafted (`lax.cond`, only if a live row needs
     it). One target forward verifies [last, x_1..x_W] for W the smallest static width ≥ the
@@ -288,25 +289,31 @@ def libraspec_round(config: ModelConfig, weights: Weights, drafter: Any, state: 
     live = ~state.done
     ctx = DraftContext(seq=state.seq, cache_len=cache.lengths, last=state.last)
     bs = drafter.block_tokens
-    n0 = -(-policy.n // bs)  # blocks drafted before the first decision
-    nb = -(-policy.d_max // bs)  # most blocks a round may draft
+    k1 = min(policy.n, bs)  # the first block drafts n tokens (at most a full block)
+    n0 = 1 + -(-(policy.n - k1) // bs)  # blocks drafted before the first decision
+    nb = 1 + -(-(policy.d_max - k1) // bs)  # most blocks a round may draft
+
+    def end(j: int) -> int:  # drafted tokens once blocks 0..j exist
+        return k1 + j * bs
     b = state.last.shape[0]
     keys = jax.random.split(k_draft, nb)
 
     with jax.named_scope("draft"):
-        tok0, q0, dstate = drafter.propose(state.drafter, ctx, bs, sampling, keys[0])
-        toks = jnp.zeros((b, nb * bs), jnp.int32).at[:, :bs].set(tok0)
-        confs = jnp.zeros((b, nb * bs), jnp.float32).at[:, :bs].set(dstate.conf)
-        qs = None if q0 is None else jnp.zeros((b, nb * bs, q0.shape[-1]), q0.dtype
-                                                ).at[:, :bs].set(q0)
+        tok0, q0, dstate = drafter.propose(state.drafter, ctx, k1, sampling, keys[0])
+        total = end(nb - 1)
+        toks = jnp.zeros((b, total), jnp.int32).at[:, :k1].set(tok0)
+        confs = jnp.zeros((b, total), jnp.float32).at[:, :k1].set(dstate.conf[:, :k1])
+        qs = None if q0 is None else jnp.zeros((b, total, q0.shape[-1]), q0.dtype
+                                                ).at[:, :k1].set(q0)
 
         def add_block(j, toks, confs, qs):
-            anchor = jnp.maximum(toks[:, j * bs - 1], 0)
-            t, q, c = drafter.extend(dstate, ctx, anchor, j * bs, sampling, keys[j])
-            toks = toks.at[:, j * bs:(j + 1) * bs].set(t)
-            confs = confs.at[:, j * bs:(j + 1) * bs].set(c)
+            lo = end(j - 1)
+            anchor = jnp.maximum(toks[:, lo - 1], 0)
+            t, q, c = drafter.extend(dstate, ctx, anchor, lo, sampling, keys[j])
+            toks = toks.at[:, lo:lo + bs].set(t)
+            confs = confs.at[:, lo:lo + bs].set(c)
             if qs is not None:
-                qs = qs.at[:, j * bs:(j + 1) * bs].set(q)
+                qs = qs.at[:, lo:lo + bs].set(q)
             return toks, confs, qs
 
         for j in range(1, n0):
@@ -334,12 +341,12 @@ def libraspec_round(config: ModelConfig, weights: Weights, drafter: Any, state: 
             return d, want, stop
 
         n_first = jnp.full((b,), policy.n, jnp.int32)
-        dws = settle((n_first, n_first, ~live), n0 * bs)  # (d, want, stop)
+        dws = settle((n_first, n_first, ~live), end(n0 - 1))  # (d, want, stop)
         for j in range(n0, nb):
-            need = jnp.any(~dws[2] & (dws[1] > j * bs))  # a live row waits for block j
+            need = jnp.any(~dws[2] & (dws[1] > end(j - 1)))  # a live row waits for block j
             toks, confs, qs = jax.lax.cond(
                 need, lambda a, j=j: add_block(j, *a), lambda a: a, (toks, confs, qs))
-            dws = settle(dws, (j + 1) * bs)
+            dws = settle(dws, end(j))
         d = dws[0]
         d = jnp.clip(d, 1, policy.d_max)
         valid_all = toks[:, :policy.d_max] >= 0
@@ -363,10 +370,14 @@ def libraspec_round(config: ModelConfig, weights: Weights, drafter: Any, state: 
                 chosen = vw & (jnp.arange(w)[None, :] < d[:, None])
                 n, nxt, vstate = verifier.verify(vstate, k_verify, dw, qw, out.logits, sampling,
                                                  chosen)
-                # The oracle length: what the same verifier, with the same random numbers,
-                # would have accepted had every verified slot been proposed.
-                oracle, _, _ = verifier.verify(vstate, k_verify, dw, qw, out.logits, sampling,
-                                               vw)
+                # The oracle length: what the verifier would have accepted had every verified
+                # slot been proposed (greedy: a second, cheap argmax pass). When sampling, it is
+                # observed only up to the row's own d (n; censored at d, as for a fixed K).
+                if sampling.greedy:
+                    oracle, _, _ = verifier.verify(vstate, k_verify, dw, qw, out.logits,
+                                                   sampling, vw)
+                else:
+                    oracle = n
             f = jnp.zeros((b, 0), jnp.float32)
             if fl:
                 f = features(out.hidden)
@@ -456,7 +467,8 @@ def init_state(config: ModelConfig, weights: Weights, drafter: Any, prompt_ids: 
         with jax.named_scope("draft_prefill"):
             if fl and isinstance(length, LibraSpec):
                 dstate = drafter.init_state(features(out.hidden), prompt_ids, prompt_lengths,
-                                            capacity, k=drafter.block_tokens, verify_width=k)
+                                            capacity, k=min(length.n, drafter.block_tokens),
+                                            verify_width=k)
             elif fl:
                 dstate = drafter.init_state(features(out.hidden), prompt_ids, prompt_lengths,
                                             capacity, k=k)

@@ -74,7 +74,8 @@ class ScriptedBlockDrafter:
 
     def propose(self, state, ctx, k, sampling, key):
         c = self.table[:, :k]
-        return jnp.zeros(c.shape, jnp.int32), None, _ScriptState(conf=c)
+        pad = jnp.pad(c, ((0, 0), (0, self.block - k)))  # the carried state keeps one shape
+        return jnp.zeros(c.shape, jnp.int32), None, _ScriptState(conf=pad)
 
     def extend(self, state, ctx, anchor, offset, sampling, key):
         c = jax.lax.dynamic_slice_in_dim(self.table, offset, self.block, axis=1)
