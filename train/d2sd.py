@@ -47,6 +47,7 @@ from train.drafters import (
     batches_for,
     coverage,
     data_layers,
+    finish_checkpoints,
     load_rows,
     make_batch,
     sample_positions,
@@ -265,11 +266,7 @@ def run(args: argparse.Namespace) -> int:
         log.flush()
         mngr.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
     log.close()
-    mngr.wait_until_finished()
-    if mngr.latest_step() != args.steps and args.steps > 0:
-        mngr.save(args.steps, args=ocp.args.StandardSave({"params": params,
-                                                          "opt_state": opt_state}), force=True)
-        mngr.wait_until_finished()
+    finish_checkpoints(mngr, args.steps, {"params": params, "opt_state": opt_state})
     final = out / f"{args.name or 'd2sd'}.safetensors"
     save_drafter(final, cfg, {**params, **stats}, vocab,
                  dtype="float32" if args.f32 else "bfloat16",

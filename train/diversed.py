@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from train.drafters import finish_checkpoints
+
 DEFAULT_PROMPTS = "math:64-364"  # the training split of the math set (train.datagen.SPLITS)
 
 
@@ -190,11 +192,8 @@ def run(args: argparse.Namespace) -> int:
         mngr.save(step + 1, args=ocp.args.StandardSave(
             {"params": params, "opt_state": opt_state, "baseline": baseline}))
     log.close()
-    mngr.wait_until_finished()
-    if args.steps > 0 and mngr.latest_step() != args.steps:
-        mngr.save(args.steps, args=ocp.args.StandardSave(
-            {"params": params, "opt_state": opt_state, "baseline": baseline}), force=True)
-        mngr.wait_until_finished()
+    finish_checkpoints(mngr, args.steps,
+                       {"params": params, "opt_state": opt_state, "baseline": baseline})
     final = out / "diversed.safetensors"
     head_of(params).save(final)
     print(f"wrote {final} ({args.level} head, task {task}) after {args.steps} steps", flush=True)

@@ -47,6 +47,17 @@ from jspec.errors import JspecError
 from train.datagen import load_shard
 
 
+def finish_checkpoints(mngr: Any, steps: int, state: dict[str, Any]) -> None:
+    """Wait for the asynchronous Orbax saves and make sure step `steps` is saved (a rerun that
+    found every step done still leaves its final checkpoint)."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    mngr.wait_until_finished()
+    if steps > 0 and mngr.latest_step() != steps:
+        mngr.save(steps, args=ocp.args.StandardSave(state), force=True)
+        mngr.wait_until_finished()
+
+
 def data_layers(data: str) -> tuple[int, ...]:
     """The feature layers recorded in a datagen directory (meta.json)."""
     meta = Path(data) / "meta.json"
@@ -491,11 +502,7 @@ def run(args: argparse.Namespace) -> int:
         log.flush()
         mngr.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
     log.close()
-    mngr.wait_until_finished()
-    if mngr.latest_step() != args.steps and args.steps > 0:
-        mngr.save(args.steps, args=ocp.args.StandardSave({"params": params,
-                                                          "opt_state": opt_state}), force=True)
-        mngr.wait_until_finished()
+    finish_checkpoints(mngr, args.steps, {"params": params, "opt_state": opt_state})
     final = out / f"{args.name or cfg.kind}.safetensors"
     if jax.process_count() > 1:  # shards on other hosts: gather the full arrays everywhere
         from jax.experimental import multihost_utils  # noqa: PLC0415

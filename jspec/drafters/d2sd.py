@@ -41,7 +41,13 @@ import jax
 import jax.numpy as jnp
 
 from jspec.drafters.base import DraftContext
-from jspec.drafters.dflash import DFlash, DFlashState, block_forward, context, context_kv
+from jspec.drafters.dflash import (
+    DFlash,
+    DFlashState,
+    block_forward,
+    train_blocks,
+    train_context,
+)
 from jspec.drafters.trained import DrafterConfig, Params, draft_logits, rms_normalize
 from jspec.errors import JspecError
 from jspec.sampling import NEG, Sampling
@@ -84,20 +90,12 @@ def train_forward(cfg: DrafterConfig, p: Params, embed: jax.Array, tokens: jax.A
     """
     b, s = tokens.shape
     m = anchors.shape[1]
-    pos_s = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    c = context(cfg, p, feats)
-    ctx_kv = context_kv(cfg, p, c, pos_s)
+    c, ctx_kv = train_context(cfg, p, feats)
     tpos = jnp.minimum(anchors[..., None] + jnp.arange(gamma)[None, None], s - 1)  # [B, M, γ]
     blk_tok = jnp.take_along_axis(tokens, tpos.reshape(b, m * gamma), axis=1).reshape(b, m, gamma)
     last_c = jnp.take_along_axis(c, jnp.maximum(anchors - 1, 0)[..., None], axis=1)
     x = block_inputs_prefix(p, embed, blk_tok, prefix_len, last_c)
-    qpos = (anchors[:, :, None] + jnp.arange(gamma)[None, None]).reshape(b, m * gamma)
-    qa = jnp.repeat(anchors, gamma, axis=1)
-    ctx_mask = pos_s[:, None, :] < qa[:, :, None]
-    blk = jnp.repeat(jnp.arange(m), gamma)
-    block_mask = jnp.broadcast_to(blk[:, None] == blk[None, :], (b, m * gamma, m * gamma))
-    h = block_forward(cfg, p, x, qpos, ctx_kv, ctx_mask, block_mask)
-    return h.reshape(b, m, gamma, -1)
+    return train_blocks(cfg, p, x, anchors, ctx_kv, gamma)
 
 
 @jax.tree_util.register_dataclass

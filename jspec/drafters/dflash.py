@@ -129,17 +129,33 @@ def train_forward(cfg: DrafterConfig, p: Params, embed: jax.Array, tokens: jax.A
     Returns:
       f32[B, M, γ, D] block hidden states; [:, m, k] predicts token anchors[m] + k (k >= 1).
     """
-    b, s = tokens.shape
-    m = anchors.shape[1]
-    pos_s = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    c = context(cfg, p, feats)
-    ctx_kv = context_kv(cfg, p, c, pos_s)
+    c, ctx_kv = train_context(cfg, p, feats)
     a_tok = jnp.take_along_axis(tokens, anchors, axis=1)
     last_c = jnp.take_along_axis(c, jnp.maximum(anchors - 1, 0)[..., None], axis=1)
     x = block_inputs(p, embed, a_tok, gamma, last_c)
+    return train_blocks(cfg, p, x, anchors, ctx_kv, gamma)
+
+
+def train_context(cfg: DrafterConfig, p: Params, feats: jax.Array
+                  ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
+    """Projected context c f32[B, S, D] of a training sequence and its per-layer (k, v)."""
+    b, s = feats.shape[:2]
+    c = context(cfg, p, feats)
+    pos_s = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    return c, context_kv(cfg, p, c, pos_s)
+
+
+def train_blocks(cfg: DrafterConfig, p: Params, x: jax.Array, anchors: jax.Array,
+                 ctx_kv: list[tuple[jax.Array, jax.Array]], gamma: int) -> jax.Array:
+    """M blocks per sequence in one pass: x f32[B, M*γ, D] block inputs at anchors i32[B, M],
+    each block attending to the context before its anchor and bidirectionally within itself.
+    Returns f32[B, M, γ, D]."""
+    b, m = anchors.shape
+    s = ctx_kv[0][0].shape[1]
+    pos_s = jnp.arange(s, dtype=jnp.int32)
     qpos = (anchors[:, :, None] + jnp.arange(gamma)[None, None]).reshape(b, m * gamma)
     qa = jnp.repeat(anchors, gamma, axis=1)  # [B, M*γ] anchor of each query
-    ctx_mask = pos_s[:, None, :] < qa[:, :, None]
+    ctx_mask = pos_s[None, None, :] < qa[:, :, None]
     blk = jnp.repeat(jnp.arange(m), gamma)
     block_mask = jnp.broadcast_to(blk[:, None] == blk[None, :], (b, m * gamma, m * gamma))
     h = block_forward(cfg, p, x, qpos, ctx_kv, ctx_mask, block_mask)
