@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import os
 
 import jax
@@ -69,6 +70,16 @@ def pad_prompts(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = p
     return ids, np.asarray([len(p) for p in prompts], np.int32)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drop each test module's compiled programs when it ends: the default run compiles
+    hundreds of programs in one process, and the full run segfaulted inside XLA:CPU's compiler
+    after test_libraspec's large-batch programs (not reproducible with fewer modules)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
