@@ -147,17 +147,6 @@ def boundary_scores(conf: jax.Array) -> jax.Array:
     return before * (1.0 - conf)
 
 
-def _ingest(d: DFlash, state: DFlashState) -> tuple[Any, Any, jax.Array]:
-    """Write the pending target features into `d`'s context K/V (as DFlash.propose does)."""
-    pend = state.pending
-    m = pend.feats.shape[1]
-    pos = pend.start[:, None] + jnp.arange(m, dtype=jnp.int32)[None]
-    ck, cv, c = d._write(state.ck, state.cv, pend.feats, pos)
-    new_c = jnp.take_along_axis(c, jnp.maximum(pend.count - 1, 0)[:, None, None], axis=1)
-    last_c = jnp.where(pend.count[:, None] > 0, new_c[:, 0], state.last_c)
-    return ck, cv, last_c
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class D2SD:
@@ -247,7 +236,7 @@ class D2SD:
         """i32[B, K, branch_len] re-drafted tokens at slots bounds + 1 + m, one batched pass."""
         d = self.second
         cfg, p = d.cfg, d.params
-        ck, cv, last_c = _ingest(d, st)
+        ck, cv, last_c = d.ingest(st)
         b, n_br = bounds.shape
         gamma = k + 1
         blk = jnp.concatenate([ctx.last[:, None], chain], axis=1)  # [B, γ]

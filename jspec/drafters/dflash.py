@@ -242,11 +242,7 @@ class DFlash:
         anchored on the previous block's last token (see `extend`)."""
         p = self.params
         pend = state.pending
-        m = pend.feats.shape[1]
-        pos = pend.start[:, None] + jnp.arange(m, dtype=jnp.int32)[None]
-        ck, cv, c = self._write(state.ck, state.cv, pend.feats, pos)
-        new_c = jnp.take_along_axis(c, jnp.maximum(pend.count - 1, 0)[:, None, None], axis=1)
-        last_c = jnp.where(pend.count[:, None] > 0, new_c[:, 0], state.last_c)
+        ck, cv, last_c = self.ingest(state)
         bs = self.block_tokens
         n_blocks = -(-k // bs)
         keys = jax.random.split(key, n_blocks)
@@ -264,6 +260,18 @@ class DFlash:
             tokens = jnp.where(jnp.cumsum(vhat < self.cut, axis=1) > 0, -1, tokens)
         return tokens, q, DFlashState(ck=ck, cv=cv, pending=pend, conf=conf, vhat=vhat,
                                       last_c=last_c, hidden=h.astype(jnp.float32))
+
+    def ingest(self, state: DFlashState
+               ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...], jax.Array]:
+        """Write the pending target features into the context K/V; returns (ck, cv, last_c
+        f32[B, D] the projected feature just before the next anchor)."""
+        pend = state.pending
+        m = pend.feats.shape[1]
+        pos = pend.start[:, None] + jnp.arange(m, dtype=jnp.int32)[None]
+        ck, cv, c = self._write(state.ck, state.cv, pend.feats, pos)
+        new_c = jnp.take_along_axis(c, jnp.maximum(pend.count - 1, 0)[:, None, None], axis=1)
+        last_c = jnp.where(pend.count[:, None] > 0, new_c[:, 0], state.last_c)
+        return ck, cv, last_c
 
     def _block(self, ck: tuple[jax.Array, ...], cv: tuple[jax.Array, ...], last_c: jax.Array,
                anchor: jax.Array, anchor_pos: jax.Array, ctx_len: jax.Array, k: int,
