@@ -5,7 +5,9 @@
 - `pallas_kernels.relaxed_acceptance`: fused lossless / DIVERSED acceptance over vocabulary tiles.
 - `python -m pallas_kernels.bench`: correctness and timing against the references.
 
-Written for TPU (Mosaic); on CPU they run in interpret mode (`interpret=True`).
+Each has a TPU (Mosaic) kernel, which on CPU runs in interpret mode (`interpret=True`), and a
+Mosaic GPU kernel (`kernel_mgpu.py`, Hopper: WGMMA/TMA for attention, split-vocabulary streaming
+for acceptance) that the same entry point calls on a GPU backend.
 """
 
 __all__: list[str] = []

@@ -287,6 +287,7 @@ def test_attention_impl_resolution_and_validation():
 
     assert resolve_attention_impl("auto", "cpu") == "xla"
     assert resolve_attention_impl("auto", "tpu") == "pallas"
+    assert resolve_attention_impl("auto", "gpu") == "pallas"  # the Mosaic GPU kernel
     assert resolve_attention_impl("xla", "tpu") == "xla"
     assert resolve_attention_impl("pallas", "cpu") == "pallas"
     assert ModelConfig().attention_impl == "auto"

@@ -36,7 +36,7 @@ class ModelConfig:
         logits are always float32.
       attention_impl: "xla" (masked attention over the whole cache buffer), "pallas" (the
         `pallas_kernels.tree_attention` kernel for verify/decode steps; interpret mode on CPU)
-        or "auto" (pallas on TPU, xla elsewhere; see `resolve_attention_impl`).
+        or "auto" (pallas on TPU and GPU, xla on CPU; see `resolve_attention_impl`).
     """
 
     arch: str = "llama"
@@ -119,10 +119,11 @@ class ModelConfig:
         return inv.astype(np.float32)
 
 
-# Backends where "auto" picks the Pallas kernel. The issue asks for GPU too, but the kernel is
-# written for TPU (Mosaic, scalar prefetch) and has never been lowered on a GPU: add "gpu" here
-# once `python -m pallas_kernels.bench` has passed on one.
-AUTO_PALLAS_BACKENDS = ("tpu",)
+# Backends where "auto" picks the Pallas kernel: TPU (Mosaic kernel) and GPU (Mosaic GPU kernel,
+# which passed `python -m pallas_kernels.bench` on an H200, docs/BENCHMARKS.md). On a GPU, "auto"
+# still takes the XLA path for a step the GPU kernel does not take (float32, head_dim not 64/128,
+# more than 64 new tokens, capacity not a multiple of 64): see `llama.forward`.
+AUTO_PALLAS_BACKENDS = ("tpu", "gpu")
 
 
 def resolve_attention_impl(impl: str, backend: str | None = None) -> str:

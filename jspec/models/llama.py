@@ -261,6 +261,12 @@ def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions:
     inv_freq = jnp.asarray(config.inv_freq())
     x = jnp.take(weights.embed, tokens, axis=0).astype(config.jnp_dtype)  # [B, T, D]
     use_pallas = config.resolved_attention_impl() == "pallas" and t <= PALLAS_MAX_NEW_TOKENS
+    if use_pallas and config.attention_impl == "auto" and jax.default_backend() == "gpu":
+        from pallas_kernels.tree_attention import gpu_kernel_supports  # noqa: PLC0415
+
+        # "auto" on a GPU: the Mosaic GPU kernel where it applies, XLA elsewhere (an explicit
+        # "pallas" outside the kernel's limits raises its clear error instead).
+        use_pallas = gpu_kernel_supports(t, config.head_dim, cache.capacity, config.jnp_dtype)
     attend = _Attend(
         use_pallas=use_pallas,
         mask=None if use_pallas else attention_mask(cache.lengths, t, cache.capacity, mask),

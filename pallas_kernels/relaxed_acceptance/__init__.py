@@ -1,4 +1,5 @@
-"""Fused relaxed (lossless / DIVERSED) acceptance over vocabulary tiles: Pallas kernel + jnp reference."""
+"""Fused relaxed (lossless / DIVERSED) acceptance over vocabulary tiles: Pallas kernels for TPU
+(Mosaic) and GPU (Mosaic GPU) + jnp reference."""
 
 from pallas_kernels.relaxed_acceptance.kernel import (
     RESIDUAL_EPS,

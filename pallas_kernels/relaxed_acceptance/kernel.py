@@ -25,10 +25,11 @@ Two `pallas_call`s, each one pass over vocabulary tiles, and no [.., V] softmax 
      positions and selects n in the kernel (fewer, larger steps: what interpret mode needs).
 Between the two only O(B·K) scalars exist.
 
-Backend: written for TPU (Mosaic): scalar prefetch via `pltpu.PrefetchScalarGridSpec`, blocks
-whose last two dims are (rows, vocab tile) with the tile a multiple of 128. Not expected to lower
-on GPU (scalar prefetch is TPU-only); the jnp reference is the GPU and CPU path. Only interpret
-mode has run (CPU).
+Backends: this file's kernels are written for TPU (Mosaic): scalar prefetch via
+`pltpu.PrefetchScalarGridSpec`, blocks whose last two dims are (rows, vocab tile) with the tile a
+multiple of 128; on CPU they run in interpret mode (what the tests run). On a GPU,
+`relaxed_acceptance` calls the Mosaic GPU kernels of `kernel_mgpu.py` instead (the vocabulary of
+each row split over many CTAs, partial statistics merged in jnp).
 """
 
 from __future__ import annotations
@@ -41,7 +42,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.relaxed_acceptance.tuned_block_sizes import pick_block_b, pick_block_v
+from pallas_kernels.relaxed_acceptance.kernel_mgpu import relaxed_acceptance_mgpu
+from pallas_kernels.relaxed_acceptance.tuned_block_sizes import (
+    pick_block_b,
+    pick_block_v,
+    pick_block_v_gpu,
+)
 
 # A large finite negative instead of -inf (no inf - inf = NaN in the running max updates).
 MASK_VALUE = -1e30
@@ -317,7 +323,10 @@ def relaxed_acceptance(
       block_b: static tuning knob; batch rows per grid step (must divide B). Default from the
         tuning table: 1 on a device (the residual pass then reads only position n), up to 256
         in interpret mode (whose cost is per grid step).
-      interpret: static; Pallas interpret mode. Default: True on CPU, False elsewhere.
+      interpret: static; Pallas interpret mode. Default: True on CPU, False elsewhere. Not
+        interpreted on a GPU backend, the Mosaic GPU kernels (`kernel_mgpu.py`) run; there
+        `block_v` must be a multiple of 512 (default `pick_block_v_gpu`) and `block_b` is read as
+        the number of vocabulary splits per row (default: about 264 CTAs in all).
 
     Returns:
       Acceptance(n_accepted i32[B], next_token i32[B], accept_prob f32[B, K]).
@@ -325,9 +334,16 @@ def relaxed_acceptance(
     _check_inputs(target_logits, draft, q, valid, w, uniforms, gumbel, temperature)
     b, k1, v = target_logits.shape
     k = k1 - 1
-    tv = pick_block_v(v) if block_v is None else int(block_v)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
+    if not interpret and jax.default_backend() == "gpu":
+        x, ok, u, wv = _common(draft, valid, w, uniforms, b, k)
+        n, tok, prob = relaxed_acceptance_mgpu(
+            target_logits, x, q, ok, u, wv, gumbel, temperature=float(temperature),
+            block_v=pick_block_v_gpu(v) if block_v is None else int(block_v),
+            num_splits=block_b, weighted=w is not None)
+        return Acceptance(n, tok, prob)
+    tv = pick_block_v(v) if block_v is None else int(block_v)
     bb = pick_block_b(b, bool(interpret)) if block_b is None else int(block_b)
     if tv < 1 or bb < 1 or b % bb:
         raise ValueError(f"block_v ({tv}) must be >= 1 and block_b ({bb}) must divide B ({b})")

@@ -41,3 +41,9 @@ def pick_block_b(batch: int, interpret: bool) -> int:
     if not interpret:
         return 1
     return next(d for d in range(min(batch, INTERPRET_BLOCK_B), 0, -1) if batch % d == 0)
+
+
+def pick_block_v_gpu(vocab: int) -> int:
+    """block_v of the Mosaic GPU kernels: 2048 entries (16 per thread of a warpgroup), shrunk to
+    a multiple of 512 that fits in V."""
+    return max(512, min(2048, vocab // 512 * 512))

@@ -10,13 +10,11 @@ log-sum-exp through an online softmax. The ancestor mask is built inside the ker
 parent indices (pointer doubling with small matmuls), once per (row, KV head): no dense
 [B, H, T, S] mask ever exists.
 
-Backend: written for TPU (Mosaic): scalar prefetch of the lengths through
+Backends: this file's kernel is written for TPU (Mosaic): scalar prefetch of the lengths through
 `pltpu.PrefetchScalarGridSpec` and BlockSpecs whose last two dims are (tile, head_dim), so a
-head_dim that is a multiple of 128 (or a single KV head) lowers. On GPU, jax 0.10 lowers
-`pallas_call` through Mosaic GPU (never Triton here), but scalar prefetch is TPU-only, so this
-kernel is not expected to lower there; the pure-jnp reference is the GPU and CPU path. On CPU it
-runs with `interpret=True` (what the tests and `python -m pallas_kernels.bench` ran); no
-device lowering of it has been run yet.
+head_dim that is a multiple of 128 (or a single KV head) lowers. On CPU it runs with
+`interpret=True` (what the tests run). On a GPU, `tree_attention` calls the Mosaic GPU kernel
+of `kernel_mgpu.py` instead (WGMMA, TMA, one warpgroup per 64 query rows; bfloat16/float16).
 """
 
 from __future__ import annotations
@@ -29,7 +27,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.tree_attention.tuned_block_sizes import pick_block_kv
+from pallas_kernels.tree_attention.kernel_mgpu import tree_attention_mgpu
+from pallas_kernels.tree_attention.tuned_block_sizes import pick_block_kv, pick_block_kv_gpu
 
 # A large finite negative instead of -inf: a fully masked tile stays finite (exp gives 0, no NaN).
 MASK_VALUE = -1e30
@@ -127,7 +126,8 @@ def tree_attention_kernel(
 
 
 def _check_inputs(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array,
-                  k_new: jax.Array, v_new: jax.Array, parents: jax.Array | None) -> None:
+                  k_new: jax.Array, v_new: jax.Array, parents: jax.Array | None,
+                  allow_f16: bool = False) -> None:
     """Trace-time validation of shapes and dtypes (values are dynamic and not checked)."""
     if q.ndim != 4 or k_cache.ndim != 4 or k_new.ndim != 4:
         raise ValueError(f"expected q [B, T, H, hd], caches [B, S, KV, hd], new K/V [B, T, KV, hd]; "
@@ -144,8 +144,9 @@ def _check_inputs(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths:
         raise ValueError(f"lengths must be i32[{b}], got {lengths.dtype}{list(lengths.shape)}")
     for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),
                     ("v_new", v_new)):
-        if a.dtype not in (jnp.float32, jnp.bfloat16):
-            raise ValueError(f"{name} must be float32 or bfloat16, got {a.dtype}")
+        if a.dtype not in ((jnp.float32, jnp.bfloat16) + ((jnp.float16,) if allow_f16 else ())):
+            raise ValueError(f"{name} must be float32 or bfloat16"
+                             f"{' or float16' if allow_f16 else ''}, got {a.dtype}")
     if parents is not None and (parents.shape not in ((t,), (b, t))
                                 or not jnp.issubdtype(parents.dtype, jnp.integer)):
         raise ValueError(f"parents must be i32[{t}] or i32[{b}, {t}], got "
@@ -190,21 +191,28 @@ def tree_attention(
       block_kv: static tuning knob; prefix slots per tile. Default from the tuning table
         (`tuned_block_sizes.pick_block_kv`); it must divide S.
       interpret: static; run the kernel in Pallas interpret mode. Default: True on CPU (the
-        only way a Pallas kernel runs there), False elsewhere.
+        only way a Pallas kernel runs there), False elsewhere. Not interpreted on a GPU backend,
+        the Mosaic GPU kernel (`kernel_mgpu.py`) runs: bfloat16/float16, head_dim % 64 == 0,
+        T <= 64, block_kv a multiple of 64 (default from `pick_block_kv_gpu`).
 
     Returns:
       The attention output, dtype of q; scores, softmax and accumulation in float32.
     """
-    _check_inputs(q, k_cache, v_cache, lengths, k_new, v_new, parents)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    on_gpu = not interpret and jax.default_backend() == "gpu"
+    _check_inputs(q, k_cache, v_cache, lengths, k_new, v_new, parents, allow_f16=on_gpu)
     b, t, h, hd = q.shape
     s, kv = k_cache.shape[1], k_cache.shape[2]
     g = h // kv
     scale = (1.0 / math.sqrt(hd)) if sm_scale is None else float(sm_scale)
+    if on_gpu:
+        bk = pick_block_kv_gpu(s, hd) if block_kv is None else int(block_kv)
+        return tree_attention_mgpu(q, k_cache, v_cache, lengths.astype(jnp.int32), k_new, v_new,
+                                   _parents_2d(parents, b, t), sm_scale=scale, block_kv=bk)
     bk = pick_block_kv(s, q.dtype) if block_kv is None else int(block_kv)
     if bk < 1 or s % bk:
         raise ValueError(f"block_kv ({bk}) must divide the cache capacity S ({s})")
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
     nk = s // bk
 
     # Free reshapes put each KV head's head_dim slab on the lane axis: a (tile, hd) block of
@@ -274,7 +282,7 @@ def tree_attention_reference(
     are accepted (and ignored) so that the two functions are interchangeable.
     """
     del block_kv, interpret
-    _check_inputs(q, k_cache, v_cache, lengths, k_new, v_new, parents)
+    _check_inputs(q, k_cache, v_cache, lengths, k_new, v_new, parents, allow_f16=True)
     b, t, h, hd = q.shape
     s, kv = k_cache.shape[1], k_cache.shape[2]
     g = h // kv

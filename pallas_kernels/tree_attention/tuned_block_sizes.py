@@ -50,3 +50,10 @@ def pick_block_kv(capacity: int, dtype: Any, device_kind: str | None = None) -> 
             if capacity % bk == 0:
                 return bk
     return 1
+
+
+def pick_block_kv_gpu(capacity: int, head_dim: int) -> int:
+    """block_kv of the Mosaic GPU kernel: 128 slots when 128 divides the capacity, else 64 (the
+    kernel raises a clear error when 64 does not divide it either)."""
+    del head_dim  # 64 and 128 both fit two K and two V tiles of 128 slots in shared memory
+    return 128 if capacity % 128 == 0 else 64
