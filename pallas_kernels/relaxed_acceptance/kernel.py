@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.relaxed_acceptance.decide import decide_greedy, decide_sampled
 from pallas_kernels.relaxed_acceptance.kernel_mgpu import relaxed_acceptance_mgpu
 from pallas_kernels.relaxed_acceptance.tuned_block_sizes import (
     pick_block_b,
@@ -478,7 +479,6 @@ def relaxed_acceptance_reference(
     qf = jax.nn.one_hot(x, v, dtype=jnp.float32) if q is None else q.astype(jnp.float32)
     lse = jax.nn.logsumexp(z, axis=-1)  # [B, K+1]
     rows = jnp.arange(b)
-    iota = jnp.arange(k)[None, :]
     if temperature == 0:
         target_tok = jnp.argmax(z, axis=-1).astype(jnp.int32)  # [B, K+1]
         if w is None:
@@ -487,23 +487,10 @@ def relaxed_acceptance_reference(
             nu = wc[..., None] * jnp.exp(z[:, :k] - lse[:, :k, None]) \
                 + (1.0 - wc[..., None]) * qf * ok[..., None]
             choice = jnp.argmax(nu, axis=-1).astype(jnp.int32)
-        accept = ok & (x == choice)
-        n = jnp.min(jnp.where(accept, k, iota), axis=1).astype(jnp.int32)
-        row = jnp.minimum(n, k - 1)
-        proposed = (n < k) & ok[rows, row]
-        tok = target_tok[rows, n]
-        if w is not None:
-            tok = jnp.where(proposed, choice[rows, row], tok)
-        return Acceptance(n, tok, accept.astype(jnp.float32))
+        return Acceptance(*decide_greedy(x, ok, target_tok, choice, w is not None))
     zx = jnp.take_along_axis(z[:, :k], x[..., None], axis=-1)[..., 0]  # [B, K]
     qx = jnp.take_along_axis(qf, x[..., None], axis=-1)[..., 0]
-    nu_x = wc * jnp.exp(zx - lse[:, :k]) + (1.0 - wc) * qx
-    accept = ok & (u * qx < nu_x)
-    prob = jnp.where(ok, jnp.where(qx > 0, jnp.minimum(1.0, nu_x / jnp.where(qx > 0, qx, 1.0)),
-                                   1.0), 0.0)
-    n = jnp.min(jnp.where(accept, k, iota), axis=1).astype(jnp.int32)
-    row = jnp.minimum(n, k - 1)
-    proposed = (n < k) & ok[rows, row]
+    n, row, proposed, prob = decide_sampled(x, ok, zx, qx, lse[:, :k], u, wv)
     logp = z[rows, n] - lse[rows, n][:, None]  # [B, V]
     q_n = jnp.where(proposed[:, None], qf[rows, row], 0.0)
     r = jnp.maximum(jnp.exp(logp) - q_n, 0.0)

@@ -34,6 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.relaxed_acceptance.decide import decide_greedy, decide_sampled
+
 MASK_VALUE = -1e30
 RESIDUAL_EPS = 1e-8
 _BIG = 2**30
@@ -291,7 +293,6 @@ def relaxed_acceptance_mgpu(
           else jnp.take_along_axis(q, x[..., None], axis=-1)[..., 0].astype(jnp.float32))
     valid = ok > 0
     rows = jnp.arange(b)
-    iota = jnp.arange(k)[None, :]
     if greedy:
         if weighted:
             lse_p = jnp.pad(lse[:, :k], ((0, 0), (0, _pad4(k) - k)))
@@ -299,22 +300,8 @@ def relaxed_acceptance_mgpu(
             _, choice = _merge_argmax(mx[..., :k], nix[..., :k])
         else:
             choice = target_tok[:, :k]
-        accept = valid & (x == choice)
-        n = jnp.min(jnp.where(accept, k, iota), axis=1).astype(jnp.int32)
-        row = jnp.minimum(n, k - 1)
-        proposed = (n < k) & valid[rows, row]
-        tok = target_tok[rows, n]
-        if weighted:
-            tok = jnp.where(proposed, choice[rows, row], tok)
-        return n, tok.astype(jnp.int32), accept.astype(jnp.float32)
-    wc = wv[:, None]
-    nu_x = wc * jnp.exp(zx - lse[:, :k]) + (1.0 - wc) * qx
-    accept = valid & (u * qx < nu_x)
-    prob = jnp.where(valid, jnp.where(qx > 0, jnp.minimum(1.0, nu_x / jnp.where(qx > 0, qx, 1.0)),
-                                      1.0), 0.0)
-    n = jnp.min(jnp.where(accept, k, iota), axis=1).astype(jnp.int32)
-    row = jnp.minimum(n, k - 1)
-    proposed = (n < k) & valid[rows, row]
+        return decide_greedy(x, valid, target_tok, choice, weighted)
+    n, row, proposed, prob = decide_sampled(x, valid, zx, qx, lse[:, :k], u, wv)
     sel = jnp.stack([n, row, proposed.astype(jnp.int32), x[rows, row]], axis=1)
     lse_n = lse[rows, n]
     f, i = _residual_call(target_logits, q, sel, lse_n, gumbel.astype(jnp.float32),

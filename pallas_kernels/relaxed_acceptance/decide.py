@@ -1,0 +1,54 @@
+"""The O(B·K) acceptance decisions shared by the jnp reference and the Mosaic GPU merge.
+
+Both compute per-position statistics over the vocabulary their own way (full arrays / merged
+partials); from those the verdict is the same few jnp ops, kept here once.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def decide_greedy(x: jax.Array,  # i32[B, K] drafted tokens
+                  valid: jax.Array,  # bool[B, K]
+                  target_tok: jax.Array,  # i32[B, K+1] first argmax of each target row
+                  choice: jax.Array,  # i32[B, K] the verifier's pick (argmax p, or argmax ν)
+                  weighted: bool,
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:  # n i32[B], tok i32[B], prob f32[B, K]
+    """Greedy: accept x_i iff it is the verifier's pick; next token at the first rejection."""
+    b, k = x.shape
+    rows = jnp.arange(b)
+    accept = valid & (x == choice)
+    n = jnp.min(jnp.where(accept, k, jnp.arange(k)[None, :]), axis=1).astype(jnp.int32)
+    row = jnp.minimum(n, k - 1)
+    proposed = (n < k) & valid[rows, row]
+    tok = target_tok[rows, n]
+    if weighted:
+        tok = jnp.where(proposed, choice[rows, row], tok)
+    return n, tok.astype(jnp.int32), accept.astype(jnp.float32)
+
+
+def decide_sampled(x: jax.Array,  # i32[B, K]
+                   valid: jax.Array,  # bool[B, K]
+                   zx: jax.Array,  # f32[B, K] tempered target logit of each drafted token
+                   qx: jax.Array,  # f32[B, K] its draft probability
+                   lse: jax.Array,  # f32[B, K] log-normaliser of each drafted position's p
+                   u: jax.Array,  # f32[B, K] uniforms
+                   wv: jax.Array,  # f32[B] weight on the target
+                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Sampling: (n i32[B], row = min(n, K-1) i32[B], proposed bool[B], prob f32[B, K]).
+
+    Accept x_i iff u_i·q(x_i) < ν(x_i), ν = w·p + (1-w)·q; `proposed`: position n < K held a
+    draft (the residual then subtracts q_n).
+    """
+    b, k = x.shape
+    wc = wv[:, None]
+    nu_x = wc * jnp.exp(zx - lse) + (1.0 - wc) * qx
+    accept = valid & (u * qx < nu_x)
+    prob = jnp.where(valid, jnp.where(qx > 0, jnp.minimum(1.0, nu_x / jnp.where(qx > 0, qx, 1.0)),
+                                      1.0), 0.0)
+    n = jnp.min(jnp.where(accept, k, jnp.arange(k)[None, :]), axis=1).astype(jnp.int32)
+    row = jnp.minimum(n, k - 1)
+    proposed = (n < k) & valid[jnp.arange(b), row]
+    return n, row, proposed, prob
