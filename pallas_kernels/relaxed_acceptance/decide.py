@@ -1,4 +1,4 @@
-"""The O(B·K) acceptance decisions shared by the jnp reference and the Mosaic GPU merge.
+"""The O(B·K) acceptance decisions and constants shared by the reference and both kernels.
 
 Both compute per-position statistics over the vocabulary their own way (full arrays / merged
 partials); from those the verdict is the same few jnp ops, kept here once.
@@ -8,6 +8,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+# A large finite negative instead of -inf (no inf - inf = NaN in the running max updates).
+MASK_VALUE = -1e30
+# Below this residual mass the residual is numerically empty: sample from p instead.
+RESIDUAL_EPS = 1e-8
+BIG_INDEX = 2**30  # larger than any vocabulary index
 
 
 def decide_greedy(x: jax.Array,  # i32[B, K] drafted tokens

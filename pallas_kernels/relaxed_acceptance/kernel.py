@@ -42,7 +42,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.relaxed_acceptance.decide import decide_greedy, decide_sampled
+from pallas_kernels.relaxed_acceptance.decide import (
+    BIG_INDEX,
+    MASK_VALUE,
+    RESIDUAL_EPS,
+    decide_greedy,
+    decide_sampled,
+)
 from pallas_kernels.relaxed_acceptance.kernel_mgpu import relaxed_acceptance_mgpu
 from pallas_kernels.relaxed_acceptance.tuned_block_sizes import (
     pick_block_b,
@@ -50,11 +56,7 @@ from pallas_kernels.relaxed_acceptance.tuned_block_sizes import (
     pick_block_v_gpu,
 )
 
-# A large finite negative instead of -inf (no inf - inf = NaN in the running max updates).
-MASK_VALUE = -1e30
-# Below this residual mass the residual is numerically empty: sample from p instead.
-RESIDUAL_EPS = 1e-8
-_BIG = 2**30  # larger than any vocabulary index
+_BIG = BIG_INDEX
 
 
 class Acceptance(NamedTuple):

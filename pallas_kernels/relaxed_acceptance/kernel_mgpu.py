@@ -34,11 +34,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.relaxed_acceptance.decide import decide_greedy, decide_sampled
+from pallas_kernels.relaxed_acceptance.decide import (
+    BIG_INDEX,
+    MASK_VALUE,
+    RESIDUAL_EPS,
+    decide_greedy,
+    decide_sampled,
+)
 
-MASK_VALUE = -1e30
-RESIDUAL_EPS = 1e-8
-_BIG = 2**30
+_BIG = BIG_INDEX
 _PAD = 4  # partial-statistic rows are padded to 16 bytes (TMA stride rule)
 
 

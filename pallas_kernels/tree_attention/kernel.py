@@ -27,11 +27,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.tree_attention.kernel_mgpu import tree_attention_mgpu
+from pallas_kernels.tree_attention.kernel_mgpu import MASK_VALUE, tree_attention_mgpu
 from pallas_kernels.tree_attention.tuned_block_sizes import pick_block_kv, pick_block_kv_gpu
-
-# A large finite negative instead of -inf: a fully masked tile stays finite (exp gives 0, no NaN).
-MASK_VALUE = -1e30
 
 
 def _ancestor_mask(parents: jax.Array, num_nodes: int) -> jax.Array:

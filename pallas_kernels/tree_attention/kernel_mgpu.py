@@ -41,6 +41,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+# A large finite negative instead of -inf: a fully masked tile stays finite (exp gives 0, no
+# NaN). Shared with the TPU kernel and the reference (`kernel.py` imports it from here).
 MASK_VALUE = -1e30
 BLOCK_Q = 64  # query rows per CTA: the WGMMA M of one warpgroup
 MAX_NODES = 64  # the ancestor set of a node is one 64-bit word (two i32)
