@@ -15,6 +15,7 @@ import numpy as np
 
 from jspec.errors import JspecError
 
+AR_FLOAT32 = "autoregressive float32"  # the float32 baseline row of a --dtype bfloat16 run
 BENCH_PROMPT = ("Write a Python function that checks whether a string is a palindrome, "
                 "then explain how it works.")
 
@@ -105,6 +106,8 @@ def baseline(args: argparse.Namespace) -> dict[str, Any]:
     if not args.no_bf16:
         res["jspec_bf16"] = decode_tps(model.astype("bfloat16"), prompt, args.new_tokens,
                                        args.repeats)
+        res["jspec_c_bf16"] = cost_curve(model.astype("bfloat16"), ks, args.fill,
+                                         max(args.repeats, 5))
     use_peer = not args.no_peer and peer.hf_available() and args.model in registry.REGISTRY
     if use_peer:
         hf_dir = str(registry.converted_dir(registry.REGISTRY[args.model]))
@@ -135,10 +138,14 @@ def baseline(args: argparse.Namespace) -> dict[str, Any]:
         print(f"jspec float32 / HF best dtype: {ratio:.2f}x")
     crow = [["jspec", *[f"{res['jspec_c']['c'][k]:.2f}" for k in ks]],
             ["jspec ms", *[f"{res['jspec_c']['ms'][k]:.1f}" for k in ks]]]
+    if "jspec_c_bf16" in res:
+        crow.append(["jspec bfloat16", *[f"{res['jspec_c_bf16']['c'][k]:.2f}" for k in ks]])
+        crow.append(["jspec bfloat16 ms", *[f"{res['jspec_c_bf16']['ms'][k]:.1f}" for k in ks]])
     if "hf_c" in res:
         crow.append(["HF", *[f"{res['hf_c']['ratio'][k]:.2f}" for k in ks]])
         crow.append(["HF ms", *[f"{1000 * res['hf_c']['seconds'][k]:.1f}" for k in ks]])
-    _print_table(f"Verification cost c(K) = t(K)/t(1), cache fill {args.fill}, float32",
+    _print_table(f"Verification cost c(K) = t(K)/t(1), cache fill {args.fill} (float32 unless "
+                 "marked)",
                  ["", *[f"K={k}" for k in ks]], crow)
     return res
 
@@ -154,7 +161,11 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
         from tqdm import tqdm  # noqa: PLC0415
     except ImportError:  # pragma: no cover
         tqdm = None
-    model = jspec.load_model(args.model).with_attention_impl(args.attention_impl)
+    model = jspec.load_model(args.model, dtype=args.dtype).with_attention_impl(args.attention_impl)
+    # A target in another dtype than float32 also gets a float32 autoregressive row, so every
+    # speedup can be read against the faster of the two autoregressive baselines.
+    ref_model = (jspec.load_model(args.model).with_attention_impl(args.attention_impl)
+                 if args.dtype != "float32" else None)
     rows = load_prompt_set(args.prompts)
     enc = [model.encode(r["text"]) for r in rows]
     width = bucket_length(max(map(len, enc)))  # one width for all prompts: one compile per config
@@ -181,6 +192,8 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
     parsed = {v: with_acceptance_impl(p, args.acceptance_impl) if isinstance(p, Lossless) else p
               for v, p in parsed.items()}
     configs = [(t, None, 0, "lossless") for t in temps]
+    if ref_model is not None:
+        configs += [(t, AR_FLOAT32, 0, "lossless") for t in temps]
 
     def supports(v: str, t: float) -> bool:  # ASD is greedy-only: skip it at T > 0
         try:
@@ -207,19 +220,22 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
         for temp, dname, k, vname in configs:
             kw: dict[str, Any] = dict(max_new_tokens=args.new_tokens,
                                       sampling=jspec.Sampling(temperature=temp))
-            if dname is not None:
+            run_model = ref_model if dname == AR_FLOAT32 else model
+            if dname not in (None, AR_FLOAT32):
                 length = policies[k] if isinstance(k, str) else jspec.FixedLength(k)
                 verifier = parsed[vname] if vname in parsed else Lossless()
                 kw.update(drafter=loaded[dname], length=length, verifier=verifier)
             res = results.setdefault((temp, dname, k, vname), {"tps": [], "stats": None})
             if rep == 0:  # compile outside the timed region
-                jax.block_until_ready(jspec.generate(model, padded[:1], lengths[:1], **kw).tokens)
+                jax.block_until_ready(
+                    jspec.generate(run_model, padded[:1], lengths[:1], **kw).tokens)
             tot_tokens, tot_time = 0, 0.0
             agg = None
             for i in range(len(enc)):
                 key = jax.random.key(1000 * rep + i)
                 t0 = time.perf_counter()
-                out = jspec.generate(model, padded[i:i + 1], lengths[i:i + 1], key=key, **kw)
+                out = jspec.generate(run_model, padded[i:i + 1], lengths[i:i + 1], key=key,
+                                     **kw)
                 n = int(out.lengths[0])
                 tot_time += time.perf_counter() - t0
                 tot_tokens += n
@@ -244,6 +260,9 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
         bar.close()
     cost = cost_curve(model, (1, 8), args.fill, 5)
     from jspec.tree import is_tree_drafter, verify_cost  # noqa: PLC0415
+    ar_best = {t: max(statistics.median(results[(t, d, 0, "lossless")]["tps"])
+                      for d in (None, AR_FLOAT32) if (t, d, 0, "lossless") in results)
+               for t in temps}
     tree_c = {f"{d}@{k}": verify_cost(model, loaded[d], k, args.fill)  # c of a D²SD tree forward
               for d in drafters if is_tree_drafter(loaded[d]) for k in drafter_ks[d]}
     hf_rows = _hf_speculative_rows(args, model, enc, drafters) if 0.0 in temps else []
@@ -254,15 +273,18 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
         tps = statistics.median(res["tps"])
         ar = statistics.median(results[(temp, None, 0, "lossless")]["tps"])
         rounds, emitted, accepted, drafted, oracle, gap, tv_sum, tv_n, *acc = res["stats"]
-        dynamic = isinstance(k, str) or (dname is not None and vname == "lossless"
+        spec = dname not in (None, AR_FLOAT32)
+        dynamic = isinstance(k, str) or (spec and vname == "lossless"
                                          and not is_tree_drafter(loaded[dname]))
         row = {"temperature": temp, "drafter": dname or "autoregressive", "k": k,
-               "verifier": vname, "tokens_per_s": tps, "speedup": tps / ar,
+               "verifier": vname, "dtype": "float32" if dname == AR_FLOAT32 else args.dtype,
+               "tokens_per_s": tps, "speedup": tps / ar,
+               "speedup_over_best_ar": tps / ar_best[temp],
                "tau": emitted / max(rounds, 1),
                "acceptance_rate": accepted / drafted if drafted else None,
-               "tv_per_token": tv_sum / tv_n if tv_n else (0.0 if dname else None),
+               "tv_per_token": tv_sum / tv_n if tv_n else (0.0 if spec else None),
                "accept_by_position": [a / max(rounds, 1) for a in acc],
-               "mean_length": drafted / max(rounds, 1) if dname else None,
+               "mean_length": drafted / max(rounds, 1) if spec else None,
                "oracle": oracle / max(rounds, 1) if dynamic else None,
                "oracle_gap": gap / max(rounds, 1) if dynamic else None,
                "new_tokens": res["tokens"], **quality.get((temp, dname, k, vname), {})}
@@ -270,32 +292,35 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
         q = quality.get((temp, dname, k, vname), {})
         ar_rate = row["acceptance_rate"]
         table.append([f"{temp:g}", row["drafter"], k or "-",
-                      f"{row['mean_length']:.2f}" if dname else "-",
+                      f"{row['mean_length']:.2f}" if spec else "-",
                       f"{row['oracle_gap']:.2f}" if row["oracle_gap"] is not None else "-",
                       vname, f"{tps:.1f}",
-                      f"{row['speedup']:.2f}x", f"{row['tau']:.2f}" if dname else "1.00",
+                      f"{row['speedup']:.2f}x", f"{row['speedup_over_best_ar']:.2f}x",
+                      f"{row['tau']:.2f}" if spec else "1.00",
                       f"{ar_rate:.3f}" if ar_rate is not None else "-",
                       " ".join(f"{a:.2f}" for a in row["accept_by_position"]) or "-",
                       f"{q['changed']:.2f}" if "changed" in q else "-",
                       f"{q['nll']:.3f}" if "nll" in q else "-",
-                      f"{row['tv_per_token']:.3f}" if row["tv_per_token"] is not None else "-",
+                      f"{row['tv_per_token']:.3f}" if spec and row["tv_per_token"] is not None
+                      else "-",
                       f"{q['score']:.2f}" if "score" in q else "-"])
     ar0 = statistics.median(results[(0.0, None, 0, "lossless")]["tps"]) if 0.0 in temps else None
     for label, tps in hf_rows:
         out_rows.append({"temperature": 0.0, "drafter": label, "k": None, "tokens_per_s": tps,
                          "speedup": tps / ar0})
-        table.append(["0", label, "-", "-", "-", "-", f"{tps:.1f}", f"{tps / ar0:.2f}x", "-",
-                      "-", "-", "-", "-", "-", "-"])
+        table.append(["0", label, "-", "-", "-", "-", f"{tps:.1f}", f"{tps / ar0:.2f}x",
+                      f"{tps / ar_best[0.0]:.2f}x", "-", "-", "-", "-", "-", "-", "-"])
     _print_table(f"Speculative decoding on {args.prompts} ({len(enc)} prompts, batch 1, "
+                 f"target {args.dtype}, "
                  f"{args.new_tokens} new tokens, median of {args.repeats} sweeps); "
                  f"rho_8 = t(8)/t(1) = {cost['c'][8]:.2f}"
                  + "".join(f"; {n}: tree of {c['nodes']} nodes, c = t(tree)/t(1) = {c['c']:.2f}"
                            for n, c in tree_c.items()),
                  ["T", "drafter", "K", "mean d", "|d-oracle|", "verifier", "tokens/s",
-                  "speedup", "tau", "accept",
+                  "speedup", "vs best AR", "tau", "accept",
                   "acceptance by position", "changed", "NLL/token", "TV/token", "score"], table)
-    return {"prompts": args.prompts, "rows": out_rows, "rho_8": cost["c"][8], "tree_c": tree_c,
-            "new_tokens": args.new_tokens, "repeats": args.repeats}
+    return {"prompts": args.prompts, "dtype": args.dtype, "rows": out_rows, "rho_8": cost["c"][8],
+            "tree_c": tree_c, "new_tokens": args.new_tokens, "repeats": args.repeats}
 
 
 def _quality(model: Any, enc: list[list[int]], rows: list[dict[str, Any]],

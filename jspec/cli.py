@@ -54,7 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print one JSON object per prompt (prompt, text, token_ids, new_tokens, "
                         "rounds, mean_accepted, seconds) instead of streaming text")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="weights/activations dtype (float32 is fastest on CPU)")
+                   help="weights/activations dtype (default float32). bfloat16 decodes ~1.2x "
+                        "faster on this CPU and verifies K tokens almost at the cost of one, "
+                        "but a near-tie can round differently in the verify pass than in a "
+                        "one-token step, so greedy speculative output may differ from greedy "
+                        "decoding there (docs/BENCHMARKS.md)")
     g.add_argument("--drafter", help="speculative decoding with this drafter: ngram[:n=N], "
                                      "early-exit:N, a shipped trained drafter "
                                      "(smollm2-135m-eagle3, smollm2-135m-dflash, "
@@ -126,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--fill", type=int, default=400, help="cache fill for the c(K) curve")
     b.add_argument("--no-peer", action="store_true", help="skip HF transformers even if installed")
     b.add_argument("--no-bf16", action="store_true", help="skip the bfloat16 rows")
+    b.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="target dtype of the speculative rows (default float32); with bfloat16 "
+                        "a float32 autoregressive row is added, and 'vs best AR' is the speedup "
+                        "over the faster of the two autoregressive rows")
     b.add_argument("--drafters", default="",
                    help="comma-separated drafters for speculative rows, e.g. "
                    "ngram,smollm2-135m-eagle3@4/6,smollm2-135m-dflash@7 (@K1/K2: that "

@@ -375,6 +375,42 @@ def test_bfloat16_model(name):
     _close(_full(back, tokens).logits, ref, 1e-5)
 
 
+def test_bfloat16_one_row_matmul_is_padded_on_cpu_and_unchanged():
+    """XLA:CPU's one-row bfloat16 matmul is slow, so `_matmul` computes it as two rows (the
+    second zero) on CPU. The padded product equals the plain einsum, and a bfloat16 decode of
+    one token at a time (the padded path) agrees with the multi-token forward."""
+    from jspec.models.llama import _matmul
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((1, 1, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((64, 96)), jnp.bfloat16)
+    got = jax.jit(lambda x, w: _matmul("...d,df->...f", x, w))(x, w)
+    want = jnp.einsum("...d,df->...f", x.astype(jnp.float32), w.astype(jnp.float32))
+    assert got.shape == (1, 1, 96) and got.dtype == jnp.float32
+    _close(got, want, 1e-4)
+    jaxpr = str(jax.make_jaxpr(lambda x, w: _matmul("...d,df->...f", x, w))(x, w))
+    if jax.default_backend() == "cpu":
+        assert "bf16[2,64]" in jaxpr  # the padded operand
+    # two rows or float32: the plain einsum, no padding
+    assert "bf16[2,64]" not in str(jax.make_jaxpr(
+        lambda x, w: _matmul("...d,df->...f", x, w))(jnp.concatenate([x, x], 1), w))
+    assert "[2,64]" not in str(jax.make_jaxpr(
+        lambda x, w: _matmul("...d,df->...f", x, w))(x.astype(jnp.float32), w.astype(jnp.float32)))
+
+    bf = _model("llama_tied_gqa2").astype("bfloat16")
+    tokens = _tokens(bf.config, (1, 6), seed=5)
+    full = np.asarray(_full(bf, tokens, start=(0,)).logits)[0]
+    cache = KVCache.create(bf.config, 1, S)
+    steps = []
+    for t in range(6):
+        out = fwd(bf.config, bf.weights, jnp.asarray(tokens[:, t:t + 1]), _pos((t,), 1), cache)
+        cache = out.cache.with_lengths(out.cache.lengths + 1)
+        steps.append(np.asarray(out.logits)[0, 0])
+    steps = np.stack(steps)
+    assert np.abs(steps - full).max() < 0.02 * np.abs(full).max()
+    assert np.array_equal(steps.argmax(-1), full.argmax(-1))
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(num_heads=6, num_kv_heads=4), "multiple of num_kv_heads"),
     (dict(arch="gpt2"), "unsupported architecture"),
