@@ -11,7 +11,7 @@ python -m train datagen --out "$DATA" --sets math --modes greedy --batch 32
 # 2. Held-out prompts (HumanEval 0-31, math 0-63; never trained on), greedy, for held-out τ.
 python -m train datagen --out "$DATA" --sets humaneval math --modes greedy --batch 32 --split heldout
 # 3. The drafters, with VAT.
-python -m train eagle3 --data "$DATA" --out runs/eagle3 --vat --steps 400 --eval-every 100
+python -m train eagle3 --data "$DATA" --out runs/eagle3 --vat --steps 700 --eval-every 100
 python -m train dflash --data "$DATA" --out runs/dflash --vat --steps 300 --eval-every 100
 cp runs/eagle3/eagle3.safetensors jspec/assets/smollm2-135m-eagle3.safetensors
 cp runs/dflash/dflash.safetensors jspec/assets/smollm2-135m-dflash.safetensors
