@@ -113,9 +113,10 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
 def _matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """f32[..., F]: einsum(spec, x [..., D], w) with float32 accumulation.
 
-    XLA:CPU runs a bfloat16 matmul with a single row on a slow path (measured here: ~5x a
-    float32 one), while two or more rows take its fast bfloat16 GEMM (a 2-16 row bfloat16
-    forward costs ~0.6x the float32 one). So a one-row bfloat16 product on CPU is computed
+    XLA:CPU runs a bfloat16 matmul with a single row on a slow path (measured here: ~8x a
+    float32 one, ~9x a two-row bfloat16 one), while two or more rows take its fast bfloat16
+    GEMM (a 2-16 token bfloat16 forward costs ~0.6-0.8x the float32 one;
+    scripts/cpu_matmul_rows.py, docs/BENCHMARKS.md). So a one-row bfloat16 product on CPU is computed
     as two rows (the second zero) and the first kept: static shapes, no effect elsewhere.
     """
     lead = x.shape[:-1]
