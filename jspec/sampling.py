@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jspec.errors import JspecError
 
 NEG = -1e30  # finite "minus infinity" for filtered logits
+_F32 = np.finfo(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,8 +29,9 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise JspecError(f"temperature must be >= 0, got {self.temperature}")
+        if (not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature)
+                or self.temperature < 0):
+            raise JspecError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise JspecError(f"top_k must be an integer >= 0, got {self.top_k}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
@@ -42,12 +46,21 @@ def process_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
     """f32[..., V] logits after temperature, top-k and top-p (filtered entries set to NEG).
 
     Applied identically to target and draft logits, so verification compares the same
-    distributions that plain sampling would use.
+    distributions that plain sampling would use. Sampled logits are returned shifted so that
+    each row's maximum is 0 (softmax, top-k, top-p and Gumbel-max do not see a shift): with the
+    shift taken before dividing, a tiny temperature (1e-38, even below float32's normal range)
+    cannot overflow `logits / T` at the maximum, and entries below NEG (-inf once divided) are
+    clamped to NEG, so every entry stays finite.
     """
     x = logits.astype(jnp.float32)
     if sampling.greedy:
         return x
-    x = x / sampling.temperature
+    x = x - jnp.max(x, axis=-1, keepdims=True)
+    t = sampling.temperature
+    # XLA flushes a subnormal float32 divisor to 0 (0 / 0 = NaN): below float32's normal range
+    # scale by 1 / T instead, capped at float32's max (logits 3e-37 apart are one-hot there).
+    x = x / t if t >= _F32.tiny else x * min(1.0 / t, float(_F32.max))
+    x = jnp.maximum(x, NEG)
     v = x.shape[-1]
     if 0 < sampling.top_k < v:
         kth = jax.lax.top_k(x, sampling.top_k)[0][..., -1:]

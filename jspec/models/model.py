@@ -46,6 +46,13 @@ class Model:
     def eos_ids(self) -> tuple[int, ...]:
         return self.config.eos_ids
 
+    @property
+    def pad_id(self) -> int | None:
+        """The tokenizer's padding token id (SmolLM2: 2, its EOS), or None without a tokenizer
+        or a pad token. Only input checks read it: jspec's own padding is masked, not matched."""
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        return None if pad is None else int(pad)
+
     def encode(self, text: str, *, chat: bool = True) -> list[int]:
         """Token ids of `text`, through the chat template (one user turn) unless chat=False."""
         if self.tokenizer is None:

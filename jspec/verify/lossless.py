@@ -24,7 +24,8 @@ class Lossless:
     acceptance_impl: "xla" (`verify_chain`, jnp over full [B, K+1, V] arrays) or "pallas"
       (`verify_chain_fused`: the `pallas_kernels.relaxed_acceptance` kernel, interpret mode on
       CPU, with the same random numbers). The kernel applies temperature only: with top-k or
-      top-p the verifier uses the xla path (a sort over the vocabulary is not fused).
+      top-p, or a temperature below the kernel's MIN_TEMPERATURE (1e-6, where raw logits / T
+      would overflow), the verifier uses the xla path (a sort over the vocabulary is not fused).
     """
 
     acceptance_impl: str = "xla"
@@ -51,8 +52,12 @@ class Lossless:
 
 
 def fused_acceptance_supports(sampling: Sampling) -> bool:
-    """Whether the fused kernel covers this sampling mode (temperature only, or greedy)."""
-    return sampling.top_k == 0 and sampling.top_p == 1.0
+    """Whether the fused kernel covers this sampling mode: greedy, or temperature only with a
+    temperature of at least the kernel's MIN_TEMPERATURE."""
+    from pallas_kernels.relaxed_acceptance import MIN_TEMPERATURE  # noqa: PLC0415
+
+    return (sampling.top_k == 0 and sampling.top_p == 1.0
+            and (sampling.greedy or sampling.temperature >= MIN_TEMPERATURE))
 
 
 def verify_chain_fused(key: jax.Array, draft: jax.Array, q: jax.Array | None,
@@ -71,10 +76,11 @@ def verify_chain_fused(key: jax.Array, draft: jax.Array, q: jax.Array | None,
     Returns:
       (n_accepted i32[B], next_token i32[B]).
     """
-    from pallas_kernels.relaxed_acceptance import relaxed_acceptance  # noqa: PLC0415
+    from pallas_kernels.relaxed_acceptance import MIN_TEMPERATURE, relaxed_acceptance  # noqa: PLC0415
 
     if not fused_acceptance_supports(sampling):
-        raise JspecError("the fused acceptance kernel supports temperature only (no top-k/top-p)")
+        raise JspecError("the fused acceptance kernel supports temperature only (no top-k/top-p) "
+                         f"and temperature 0 or >= {MIN_TEMPERATURE}; got {sampling}")
     b, k = draft.shape
     u = g = None
     if not sampling.greedy:

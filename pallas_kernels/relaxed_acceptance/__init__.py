@@ -2,6 +2,7 @@
 (Mosaic) and GPU (Mosaic GPU) + jnp reference."""
 
 from pallas_kernels.relaxed_acceptance.kernel import (
+    MIN_TEMPERATURE,
     RESIDUAL_EPS,
     Acceptance,
     relaxed_acceptance,
@@ -14,5 +15,5 @@ from pallas_kernels.relaxed_acceptance.tuned_block_sizes import (
     pick_block_v,
 )
 
-__all__ = ["INTERPRET_BLOCK_B", "RESIDUAL_EPS", "TUNED_BLOCK_V", "Acceptance", "pick_block_b", "pick_block_v",
-           "relaxed_acceptance", "relaxed_acceptance_reference"]
+__all__ = ["INTERPRET_BLOCK_B", "MIN_TEMPERATURE", "RESIDUAL_EPS", "TUNED_BLOCK_V", "Acceptance",
+           "pick_block_b", "pick_block_v", "relaxed_acceptance", "relaxed_acceptance_reference"]

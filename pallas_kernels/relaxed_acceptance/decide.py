@@ -14,6 +14,12 @@ MASK_VALUE = -1e30
 # Below this residual mass the residual is numerically empty: sample from p instead.
 RESIDUAL_EPS = 1e-8
 BIG_INDEX = 2**30  # larger than any vocabulary index
+# The smallest sampling temperature the kernels take. They divide raw logits by it tile by
+# tile (no row max is known before the last tile), so a tiny temperature overflows z / T to
+# ±inf (NaN in the running max) or pushes it below MASK_VALUE: above 1e-6, logits up to 1e24
+# in magnitude stay finite and above MASK_VALUE. Below it, `jspec.verify` uses the jnp path
+# (`jspec.sampling.process_logits` subtracts the row max first, exact for any T > 0).
+MIN_TEMPERATURE = 1e-6
 
 
 def decide_greedy(x: jax.Array,  # i32[B, K] drafted tokens

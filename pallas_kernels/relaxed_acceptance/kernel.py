@@ -45,6 +45,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.relaxed_acceptance.decide import (
     BIG_INDEX,
     MASK_VALUE,
+    MIN_TEMPERATURE,
     RESIDUAL_EPS,
     decide_greedy,
     decide_sampled,
@@ -277,6 +278,10 @@ def _check_inputs(target_logits, draft, q, valid, w, uniforms, gumbel, temperatu
         raise ValueError(f"w must be a scalar or f32[{b}], got shape {jnp.shape(w)}")
     if not isinstance(temperature, (int, float)) or temperature < 0:
         raise ValueError(f"temperature must be a float >= 0, got {temperature!r}")
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(f"temperature {temperature!r} is below MIN_TEMPERATURE "
+                         f"({MIN_TEMPERATURE}): logits / temperature would overflow float32; use "
+                         "temperature 0 (greedy) or the jnp path (jspec.verify.verify_chain)")
     if temperature > 0:
         if uniforms is None or uniforms.shape != (b, k):
             raise ValueError(f"sampling needs uniforms f32[{b}, {k}]")
@@ -320,7 +325,8 @@ def relaxed_acceptance(
       w: DIVERSED weight on the target, ν = w·p + (1 - w)·q; None (or 1) is lossless.
       uniforms: u_i of the acceptance tests (accept iff u_i·q(x_i) < ν(x_i)).
       gumbel: Gumbel(0, 1) noise for the residual / bonus sample (Gumbel-max).
-      temperature: static; 0 is greedy (uniforms and gumbel unused). Top-k/top-p are not
+      temperature: static; 0 is greedy (uniforms and gumbel unused), else >= MIN_TEMPERATURE
+        (1e-6; smaller ones raise ValueError). Top-k/top-p and smaller temperatures are not
         supported: apply them in the jnp path (`jspec.verify` falls back to it).
       block_v: static tuning knob; vocabulary entries per tile (default from the tuning table).
       block_b: static tuning knob; batch rows per grid step (must divide B). Default from the
