@@ -215,7 +215,9 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Any, state
     ctx = DraftContext(seq=state.seq, cache_len=cache.lengths, last=state.last)
     with jax.named_scope("draft"):
         draft, q, dstate = drafter.propose(state.drafter, ctx, k, sampling, k_draft)
-        valid = draft >= 0  # -1: the drafter has nothing to propose in that slot
+        # -1: the drafter has nothing to propose in that slot. A finished row proposes nothing
+        # either, so verifiers with running measurements (DIVERSED, ASD) leave it alone.
+        valid = (draft >= 0) & ~state.done[:, None]
         draft = jnp.where(valid, draft, 0)
 
     fl = feature_layers(drafter)
@@ -279,7 +281,10 @@ def libraspec_round(config: ModelConfig, weights: Weights, drafter: Any, state: 
     to min(ε*, d_max), and a further block is drafted (`lax.cond`, only if a live row needs
     it). One target forward verifies [last, x_1..x_W] for W the smallest static width ≥ the
     largest live d (`lax.switch`); slots beyond a row's own d are empty, so the verifier
-    rejects there and draws the token from the target (exact).
+    rejects there and draws the token from the target (exact). At T > 0 the confidences are
+    max-probabilities (fixed before each token is drawn) and a block anchored on a sampled
+    token raises the row's floor to that token's slot (`raise_floor`): whether a slot is
+    verified never depends on its own token, so sampling stays exact.
     """
     from jspec.drafters.base import DraftContext  # noqa: PLC0415
     from jspec.length import epsilon_star  # noqa: PLC0415
@@ -322,31 +327,46 @@ def libraspec_round(config: ModelConfig, weights: Weights, drafter: Any, state: 
         # its confidence is 0 from there on.
         confs = jnp.where(jnp.cumsum(toks < 0, axis=1) > 0, 0.0, confs)
         def settle(c, have):
-            """Iterate Algorithm 1 for every row whose next length is already drafted."""
+            """Iterate Algorithm 1 for every row whose next length is already drafted; a cut
+            never goes below the row's floor."""
             def body(c):
-                d, want, stop, _, confs = c
+                d, want, stop, floor, _, confs = c
                 ready = ~stop & (want <= have)
                 d = jnp.where(ready, want, d)
                 eps = epsilon_star(confs, d, policy.alpha)
                 cut = ready & (eps <= d)
                 cap = ready & ~cut & (d >= policy.d_max)
-                d = jnp.where(cut, eps, d)
+                d = jnp.where(cut, jnp.maximum(eps, floor), d)
                 want = jnp.where(ready & ~cut & ~cap, jnp.minimum(eps, policy.d_max),
                                  jnp.where(cut | cap, d, want))
                 stop = stop | cut | cap
-                return d, want, stop, jnp.any(~stop & (want <= have)), confs
+                return d, want, stop, floor, jnp.any(~stop & (want <= have)), confs
 
-            d, want, stop, _, _ = jax.lax.while_loop(lambda c: c[3], body, (*c, jnp.bool_(True),
-                                                                             confs))
-            return d, want, stop
+            d, want, stop, floor, _, _ = jax.lax.while_loop(
+                lambda c: c[4], body, (*c, jnp.bool_(True), confs))
+            return d, want, stop, floor
+
+        def raise_floor(dws, j):
+            """Exactness at T > 0 (ARCHITECTURE "LibraSpec at T > 0"): block j is anchored on
+            the sampled token at slot end(j-1), so its confidences depend on that draw; once a
+            row drafts it, the row's length is never cut below end(j-1) — whether slot s is
+            verified then depends only on draws before s. Greedy tokens are not random: no
+            floor."""
+            if sampling.greedy:
+                return dws
+            d, want, stop, floor = dws
+            return d, want, stop, jnp.where(stop, floor, end(j - 1))
 
         n_first = jnp.full((b,), policy.n, jnp.int32)
-        dws = settle((n_first, n_first, ~live), end(n0 - 1))  # (d, want, stop)
+        dws = (n_first, n_first, ~live, jnp.zeros((b,), jnp.int32))  # (d, want, stop, floor)
+        for j in range(1, n0):
+            dws = raise_floor(dws, j)
+        dws = settle(dws, end(n0 - 1))
         for j in range(n0, nb):
             need = jnp.any(~dws[2] & (dws[1] > end(j - 1)))  # a live row waits for block j
             toks, confs, qs = jax.lax.cond(
                 need, lambda a, j=j: add_block(j, *a), lambda a: a, (toks, confs, qs))
-            dws = settle(dws, end(j))
+            dws = settle(raise_floor(dws, j), end(j))
         d = dws[0]
         d = jnp.clip(d, 1, policy.d_max)
         valid_all = toks[:, :policy.d_max] >= 0
@@ -367,7 +387,7 @@ def libraspec_round(config: ModelConfig, weights: Weights, drafter: Any, state: 
                 pos = cache.lengths[:, None] + jnp.arange(w + 1, dtype=jnp.int32)[None]
                 out = forward(config, weights, toks_in, pos, cache, hidden_layers=fl)
             with jax.named_scope("accept"):
-                chosen = vw & (jnp.arange(w)[None, :] < d[:, None])
+                chosen = vw & (jnp.arange(w)[None, :] < d[:, None]) & live[:, None]
                 n, nxt, vstate = verifier.verify(vstate, k_verify, dw, qw, out.logits, sampling,
                                                  chosen)
                 # The oracle length: what the verifier would have accepted had every verified

@@ -1,13 +1,16 @@
 """How many drafted tokens a round verifies: a fixed K, or LibraSpec's per-row dynamic length.
 
-LibraSpec (ALGORITHMS.md §4). With drafter confidences q_k (jspec uses the probability of the
-token the drafter chose: its maximum at T=0, the sampled token's at T>0) and the current
-length d, for i = 1..d
+LibraSpec (ALGORITHMS.md §4). With drafter confidences q_k (jspec uses each slot's maximum
+draft probability, fixed before the slot's token is drawn — never the sampled token's own
+probability, which would bias the output at T > 0) and the current length d, for i = 1..d
 
     ε_i = ⌊α · Σ_{j=i..d} Π_{k=i..j} q_k + i⌋,      ε* = min_i ε_i.
 
 Algorithm 1: draft n tokens, d = n; if ε* ≤ d, verify the first ε* and stop; otherwise extend
-d to min(ε*, d_max), drafting more blocks when the drafted tokens run out, and repeat.
+d to min(ε*, d_max), drafting more blocks when the drafted tokens run out, and repeat. At T > 0
+a block anchored on a sampled token never lets the length be cut below that token's slot, so
+whether a slot is verified never depends on its own token (docs/ARCHITECTURE.md, "LibraSpec at
+T > 0"): exact at every temperature.
 
 Static shapes: every row's d lives in [1, d_max]; the round verifies `width(max live d)`
 tokens, the smallest of a few static widths (a `lax.switch` over one compiled forward per

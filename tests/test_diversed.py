@@ -246,3 +246,72 @@ def test_fused_acceptance_kernel_path_matches_xla():
             n2, t2, _ = fused.verify(fused.init_state(b, 4), key, draft, q, logits, s, valid)
             np.testing.assert_array_equal(n1, n2)
             np.testing.assert_array_equal(t1, t2)
+
+
+def _teacher_forced_probs(model, prompt: list[int], out: list[int]) -> np.ndarray:
+    """f32[len(out)]: p(out[t] | prompt + out[:t]) under the target at T = 1 (one forward)."""
+    from jspec.models.cache import KVCache
+    from jspec.models.llama import forward
+
+    seq = jnp.asarray([prompt + out], jnp.int32)
+    n = seq.shape[1]
+    res = forward(model.config, model.weights, seq, jnp.arange(n, dtype=jnp.int32)[None],
+                  KVCache.create(model.config, 1, n + 8))
+    p = jax.nn.softmax(res.logits[0].astype(jnp.float32), axis=-1)  # [n, V]
+    pos = len(prompt) - 1 + np.arange(len(out))
+    return np.asarray(p[pos, np.asarray(out)])
+
+
+def test_records_belong_to_their_own_tokens():
+    """record=True at T = 1 (tiny EAGLE-3, K = 3, w = 0.5, seed 5): every recorded p(y) is the
+    target's probability of the token committed at that index, recomputed by a teacher-forced
+    forward of the output (records used to land n+1 slots late); records and TV sit inside each
+    row's output, and q(y) > 0 wherever the committed token was an accepted draft."""
+    model, drafter = tiny_drafter("eagle3")
+    ids, lens = _pad(PROMPTS)
+    out = jspec.generate(model, ids, lens, max_new_tokens=24, drafter=drafter,
+                         length=jspec.FixedLength(3), sampling=Sampling(temperature=1.0),
+                         verifier=Diversed(weight=0.5, record=True), key=jax.random.key(5))
+    st = jax.device_get(out.verifier)
+    toks, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    assert st.relaxed.sum() >= 20
+    for b, prompt in enumerate(PROMPTS):
+        emitted = [int(t) for t in toks[b, : lengths[b]]]
+        want = _teacher_forced_probs(model, prompt, emitted)
+        rec = np.flatnonzero(st.relaxed[b])
+        assert (rec < lengths[b]).all() and 0 not in rec  # token 0 comes from the prefill
+        np.testing.assert_allclose(st.p_y[b, rec], want[rec], rtol=1e-4, atol=1e-6)
+        assert (st.q_y[b, rec] >= 0).all() and (st.tv[b, rec] > 0).all()
+
+
+def test_finished_rows_stop_adding_to_measurements():
+    """A row that ends early (EOS) adds nothing more to DIVERSED's per-row sums or ASD's
+    calibration records: greedy, tiny EAGLE-3, K = 3, an EOS chosen so that one row stops within
+    its first 4 tokens while another row runs to max_new_tokens."""
+    model, drafter = tiny_drafter("eagle3")
+    ids, lens = _pad(PROMPTS)
+    free = np.asarray(jspec.generate(model, ids, lens, max_new_tokens=24).tokens)
+    pick = None
+    for r in range(len(PROMPTS)):
+        for t in free[r, 1:4]:
+            others = [o for o in range(len(PROMPTS)) if o != r and t not in free[o]]
+            if others:
+                pick = (r, int(t), others[0])
+                break
+        if pick:
+            break
+    assert pick is not None
+    r, eos, full = pick
+    model = jspec.Model(config=model.config.replace(eos_ids=(eos,)), weights=model.weights)
+    k = 3
+    run = functools.partial(jspec.generate, model, ids, lens, max_new_tokens=24, drafter=drafter,
+                            length=jspec.FixedLength(k))
+    dv = run(verifier=Diversed(weight=0.5))
+    st, stats = jax.device_get(dv.verifier), jax.device_get(dv.stats)
+    assert int(dv.lengths[r]) <= 4 and int(dv.lengths[full]) == 24
+    assert (st.positions <= stats.rounds * k).all()  # at most k decided slots per live round
+    assert st.positions[r] <= int(dv.lengths[r])
+    asd = run(verifier=jspec.ASD(record=True))
+    sa, stats = jax.device_get(asd.verifier), jax.device_get(asd.stats)
+    assert int(asd.lengths[r]) <= 4
+    assert (sa.n_ratios <= stats.rounds).all()  # one record per live round at most

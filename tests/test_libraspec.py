@@ -125,8 +125,9 @@ def test_greedy_identity_with_dflash(policy):
 
 
 def test_distribution_equivalence_libraspec():
-    """T=1, tiny model and tiny DFlash drafter, LibraSpec(n=3, d_max=10, α=300) so that rows
-    verify different lengths (1..10) and extension blocks are drafted: 10,240 independent rows
+    """T=1, tiny model and tiny DFlash drafter, LibraSpec(n=3, d_max=10, α=4) so that rows
+    verify different lengths (4..10 with max-probability confidences; α=300 left every row at
+    d_max) and extension blocks are drafted: 10,240 independent rows
     per side, one token each from new positions 1..5; two-sample χ² (top 40 bins + other),
     seeded, p > 0.01."""
     model, drafter = tiny_drafter("dflash")
@@ -137,7 +138,7 @@ def test_distribution_equivalence_libraspec():
     ids = np.tile(np.asarray([[5, 6, 7, 5, 6, 7, 5, 6]], np.int32), (rows, 1))
     ar = jspec.generate(model, ids, max_new_tokens=n_new, sampling=sampling, key=jax.random.key(1))
     sp = jspec.generate(model, ids, max_new_tokens=n_new, sampling=sampling, drafter=drafter,
-                        length=LibraSpec(n=3, d_max=10, alpha=300.0), key=jax.random.key(2))
+                        length=LibraSpec(n=3, d_max=10, alpha=4.0), key=jax.random.key(2))
     st = jax.device_get(sp.stats)
     assert st.accepted.sum() > 0.05 * st.rounds.sum()  # drafts are accepted, not bypassed
     per_round = st.drafted / np.maximum(st.rounds, 1)
@@ -222,3 +223,176 @@ def test_libraspec_on_the_real_model(real_model):
         assert 1 <= st.drafted[0] / st.rounds[0] <= policy.d_max
         assert st.drafted[0] != st.rounds[0] * policy.n  # the length was not left at n
         assert float(sp.stats.mean_accepted()[0]) >= 1.1
+
+
+# --- Exactness at T > 0 with lengths that are cut often --------------------------------------
+
+MARKOV_V = 6
+
+
+def _rows(*dists: dict[int, float], v: int = MARKOV_V, eps: float = 1e-4) -> np.ndarray:
+    """f32[len, V] distributions from {token: mass} dicts, eps elsewhere, renormalised."""
+    out = np.full((len(dists), v), eps)
+    for r, d in enumerate(dists):
+        for t, m in d.items():
+            out[r, t] = m
+    return (out / out.sum(1, keepdims=True)).astype(np.float32)
+
+
+def markov_target(trans: np.ndarray) -> tuple[jspec.Model, np.ndarray]:
+    """A one-layer model whose next-token distribution depends on the current token only
+    (attention and MLP outputs zeroed, one-hot embeddings, an untied head of log-probabilities):
+    a Markov chain, so the exact marginal of every generated position is a matrix power.
+    Returns (model, P f64[V, V]: P[a, b] = p(next = b | current = a), read off the model)."""
+    from jspec.models import ModelConfig, init_weights
+    from jspec.models.cache import KVCache
+    from jspec.models.llama import forward
+
+    v, d = trans.shape[0], 8
+    cfg = ModelConfig(arch="llama", vocab_size=v, hidden_size=d, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=4, ffn_size=8, tie_embeddings=False, eos_ids=())
+    w = init_weights(cfg, jax.random.key(0))
+    embed = np.zeros((v, d), np.float32)
+    embed[np.arange(v), np.arange(v)] = np.sqrt(d)  # RMS 1: the norm keeps it
+    head = np.zeros((d, v), np.float32)
+    head[:v] = np.log(trans) / np.sqrt(d)
+    layer = dataclasses.replace(w.layers[0], wo=jnp.zeros_like(w.layers[0].wo),
+                                w_down=jnp.zeros_like(w.layers[0].w_down))
+    w = dataclasses.replace(w, embed=jnp.asarray(embed), layers=(layer,),
+                            final_norm=jnp.ones((d,), jnp.float32), lm_head=jnp.asarray(head))
+    model = jspec.Model(config=cfg, weights=w, name="markov")
+    toks = jnp.arange(v, dtype=jnp.int32)[:, None]
+    out = forward(cfg, w, toks, jnp.zeros((v, 1), jnp.int32), KVCache.create(cfg, v, 8))
+    p = np.asarray(jax.nn.softmax(out.logits[:, 0].astype(jnp.float32), axis=-1), np.float64)
+    return model, p
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SampledBlockDrafter:
+    """A block drafter that samples: slot s of a block anchored on token a is drawn from
+    table[s, a] (f32[S, V, V]) through jspec's own `choose` (confidences included). With
+    `token_conf` it reports the sampled token's own probability as its confidence instead —
+    the rule jspec used before 2026-12-01, kept here as the broken variant the test must catch."""
+
+    table: jax.Array  # f32[S, V, V]
+    block: int = dataclasses.field(metadata=dict(static=True), default=3)
+    token_conf: bool = dataclasses.field(metadata=dict(static=True), default=False)
+    name: str = dataclasses.field(metadata=dict(static=True), default="sampled-block")
+
+    @property
+    def block_tokens(self) -> int:
+        return self.block
+
+    def init_state(self, target, prompt_ids, prompt_lengths, capacity):
+        return _ScriptState(conf=jnp.zeros((prompt_ids.shape[0], self.block), jnp.float32))
+
+    def _draw(self, anchor, offset, k, sampling, key):
+        from jspec.drafters.trained import choose
+
+        v = self.table.shape[-1]
+        rows = jax.lax.dynamic_slice_in_dim(self.table, offset, k, axis=0)  # [k, V, V]
+        logits = jnp.log(jnp.moveaxis(rows[:, anchor], 0, 1))  # [B, k, V]
+        tok, q, conf = choose(logits, jnp.arange(v, dtype=jnp.int32), v, sampling, key)
+        if self.token_conf and q is not None:
+            conf = jnp.take_along_axis(q, tok[..., None], axis=-1)[..., 0]
+        return tok, q, conf
+
+    def propose(self, state, ctx, k, sampling, key):
+        tok, q, conf = self._draw(ctx.last, 0, k, sampling, key)
+        return tok, q, _ScriptState(conf=jnp.pad(conf, ((0, 0), (0, self.block - k))))
+
+    def extend(self, state, ctx, anchor, offset, sampling, key):
+        return self._draw(anchor, offset, self.block, sampling, key)
+
+
+def _marginal_pvalues(tokens: np.ndarray, p: np.ndarray, start: int, positions: range
+                      ) -> list[float]:
+    """Per generated position t, a χ² goodness-of-fit p-value of the tokens at t (over rows)
+    against the exact marginal e_start · P^(t+1) (categories with expected count < 5 merged)."""
+    from scipy.stats import chisquare
+
+    n = tokens.shape[0]
+    dist = np.eye(p.shape[0])[start]
+    out = []
+    for t in range(positions.stop):
+        dist = dist @ p
+        if t not in positions:
+            continue
+        obs = np.bincount(tokens[:, t], minlength=p.shape[0]).astype(np.float64)
+        exp = dist / dist.sum() * n
+        big = exp >= 5
+        o, e = np.append(obs[big], obs[~big].sum()), np.append(exp[big], exp[~big].sum())
+        if e[-1] == 0:
+            o, e = o[:-1], e[:-1]
+        out.append(float(chisquare(o, e * (o.sum() / e.sum())).pvalue))
+    return out
+
+
+def _holm_rejects(pvalues: list[float], alpha: float) -> bool:
+    """Holm's step-down test: does any of the hypotheses fall at family-wise level alpha?"""
+    ps = sorted(pvalues)
+    return any(pv <= alpha / (len(ps) - i) for i, pv in enumerate(ps))
+
+
+def _cut_case() -> tuple[jspec.Model, np.ndarray, jax.Array]:
+    """The audit's toy, as a chain: prompt token 2 -> 0 -> 3 surely; after 3 the target says
+    (4, 5) with (0.5, 0.5). The drafter, anchored on 0, proposes 3 surely and then (4, 5) with
+    (0.9, 0.1). At α = 0.6 a slot-2 confidence of 0.9 verifies it and 0.1 cuts it: under the
+    sampled-token rule the slot-2 token comes out as (0.55, 0.45)."""
+    rng = np.random.default_rng(5)
+    trans = rng.dirichlet(np.full(MARKOV_V, 0.5), size=MARKOV_V).astype(np.float32)
+    trans[[2, 0, 3]] = _rows({0: 1.0}, {3: 1.0}, {4: 0.5, 5: 0.5})
+    table = rng.dirichlet(np.full(MARKOV_V, 0.5), size=(4, MARKOV_V)).astype(np.float32)
+    table[0, 0], table[1, 0] = _rows({3: 1.0}, {4: 0.9, 5: 0.1})
+    model, p = markov_target(trans)
+    return model, p, jnp.asarray(table)
+
+
+def _extend_case() -> tuple[jspec.Model, np.ndarray, jax.Array]:
+    """Random peaked chain and drafter tables: at α = 3 rows extend into blocks anchored on
+    sampled tokens and are cut again (the floor)."""
+    rng = np.random.default_rng(4)
+    trans = rng.dirichlet(np.full(MARKOV_V, 0.3), size=MARKOV_V).astype(np.float32)
+    table = rng.dirichlet(np.full(MARKOV_V, 0.2), size=(12, MARKOV_V)).astype(np.float32)
+    model, p = markov_target(trans)
+    return model, p, jnp.asarray(table)
+
+
+def _run(case, policy: LibraSpec, token_conf: bool, key: int, rows: int, drafter: bool = True):
+    model, _, table = case
+    kw = {}
+    if drafter:
+        kw = dict(drafter=SampledBlockDrafter(table, token_conf=token_conf), length=policy)
+    out = jspec.generate(model, np.full((rows, 1), 2, np.int32), max_new_tokens=8,
+                         sampling=jspec.Sampling(temperature=1.0), key=jax.random.key(key), **kw)
+    st = jax.device_get(out.stats)
+    return np.asarray(out.tokens), st.drafted / np.maximum(st.rounds, 1)
+
+
+def test_libraspec_exact_marginals_when_lengths_are_cut():
+    """T = 1, a block drafter that samples (`SampledBlockDrafter`, blocks of 3) and a Markov-
+    chain target whose exact marginal at every position is known (prompt: token 2). Two
+    cases: the audit's toy (`_cut_case`, LibraSpec(n=2, d_max=4, α=0.6): slot 2 is cut or
+    verified by its confidence) and random peaked tables (`_extend_case`, LibraSpec(n=2,
+    d_max=8, α=3.0): extension blocks anchored on sampled tokens, then cuts). 20,000
+    independent rows per run, seeds 11 (speculative) and 12 (control); per generated position
+    1..7 a χ² goodness-of-fit test against the exact marginal, Holm at family-wise 0.001.
+
+    Control (can pass): autoregressive decoding of the same chain, same test.
+    Broken variant (can fail): the drafter reporting the sampled token's own probability as
+    its confidence (jspec's rule before 2026-12-01) is rejected in the toy case (its slot-2
+    marginal is (0.55, 0.45) instead of (0.5, 0.5): ~14 standard errors at this N)."""
+    positions, rows = range(1, 8), 20_000
+    cut, ext = _cut_case(), _extend_case()
+    for case, policy in ((cut, LibraSpec(n=2, d_max=4, alpha=0.6)),
+                         (ext, LibraSpec(n=2, d_max=8, alpha=3.0))):
+        toks, per_round = _run(case, policy, False, 11, rows)
+        assert not _holm_rejects(_marginal_pvalues(toks, case[1], 2, positions), 1e-3)
+        assert per_round.min() < per_round.max()  # lengths differ between rows
+    assert per_round.max() > 3  # the extend case verified blocks beyond the first
+    ar, _ = _run(cut, None, False, 12, rows, drafter=False)
+    assert not _holm_rejects(_marginal_pvalues(ar, cut[1], 2, positions), 1e-3)
+    bad, _ = _run(cut, LibraSpec(n=2, d_max=4, alpha=0.6), True, 11, rows)
+    pv = _marginal_pvalues(bad, cut[1], 2, positions)
+    assert _holm_rejects(pv, 1e-3) and pv[1] < 1e-6  # position 2: the toy's slot

@@ -157,7 +157,12 @@ def choose(logits_d: jax.Array, vocab_ids: jax.Array, v: int, sampling: Sampling
     """Pick draft tokens from draft-vocab logits [B, K, Vd].
 
     Returns (tokens i32[B, K] in the target vocabulary, q f32[B, K, V] or None when greedy,
-    the chosen token's probability f32[B, K] (the confidence LibraSpec and D²SD read)).
+    confidences f32[B, K]: max_v q_k(v), the confidence LibraSpec and D²SD read).
+
+    The confidence is the maximum probability of each slot's distribution, not the sampled
+    token's own probability: it is fixed before the token is drawn, so a speculation length
+    chosen from it never selects on the token it judges (which would bias the output at T > 0;
+    ARCHITECTURE "LibraSpec at T > 0"). At T = 0 both are the same number.
     """
     if sampling.greedy:
         idx = jnp.argmax(logits_d, axis=-1)
@@ -166,8 +171,7 @@ def choose(logits_d: jax.Array, vocab_ids: jax.Array, v: int, sampling: Sampling
     z = process_logits(to_full_vocab(logits_d, vocab_ids, v), sampling)
     tok = jax.random.categorical(key, z, axis=-1).astype(jnp.int32)
     q = jax.nn.softmax(z, axis=-1)
-    conf = jnp.take_along_axis(q, tok[..., None], axis=-1)[..., 0]
-    return tok, q, conf
+    return tok, q, jnp.max(q, axis=-1)
 
 
 @jax.tree_util.register_dataclass

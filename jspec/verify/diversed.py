@@ -273,6 +273,7 @@ class Diversed:
         idx = jnp.arange(k, dtype=jnp.int32)[None]  # [1, K]
         decided = (idx <= n[:, None]) & (idx < k) & valid  # positions whose token came from ν
         tv = 0.5 * jnp.sum(jnp.abs(p[:, :k] - qd), axis=-1)  # [B, K] TV(p, q)
+        slots = s.count[:, None] + idx  # token index of position i (before this round)
         s = dataclasses.replace(
             s, tv_sum=s.tv_sum + jnp.sum(jnp.where(decided, (1.0 - w) * tv, 0.0), axis=1),
             positions=s.positions + jnp.sum(decided, axis=1).astype(jnp.int32),
@@ -283,7 +284,6 @@ class Diversed:
         y = jnp.where(idx < n[:, None], draft, nxt[:, None])  # committed token at position i
         p_y = jnp.take_along_axis(p[:, :k], y[..., None], axis=-1)[..., 0]
         q_y = jnp.take_along_axis(qd, y[..., None], axis=-1)[..., 0]
-        slots = s.count[:, None] + idx  # token index of position i
         slots = jnp.where(decided, slots, s.p_y.shape[1])  # out of range: dropped
         r = jnp.arange(b)[:, None]
         s = dataclasses.replace(
