@@ -30,56 +30,73 @@ def _median_time(fn: Any, repeats: int) -> float:
     return statistics.median(ts)
 
 
-def decode_tps(model: Any, prompt_ids: list[int], new_tokens: int, repeats: int) -> dict[str, float]:
-    """Greedy autoregressive tokens/s of `jspec.generate` (prefill excluded by subtraction)."""
+def decode_tps(model: Any, prompt_ids: list[int], new_tokens: int, repeats: int,
+               batch: int = 1) -> dict[str, float]:
+    """Greedy autoregressive tokens/s of `jspec.generate` (prefill excluded by subtraction),
+    summed over `batch` copies of the prompt decoded together."""
     import dataclasses  # noqa: PLC0415
 
     import jspec  # noqa: PLC0415
 
     # EOS is ignored so that every run decodes exactly `new_tokens` tokens.
     model = dataclasses.replace(model, config=model.config.replace(eos_ids=()))
-    ids = jnp.asarray([prompt_ids], jnp.int32)
+    ids = jnp.asarray([prompt_ids] * batch, jnp.int32)  # i32[batch, P]
     n_out = []
 
     def run(n: int) -> Any:
         def go():
             out = jspec.generate(model, ids, max_new_tokens=n)
-            n_out.append(int(out.lengths[0]))
+            n_out.append(int(np.asarray(out.lengths).sum()))
         return go
     # Decode rate: the 1-token run (prefill + first token) is subtracted.
     t_full = _median_time(run(new_tokens), repeats)
     full_tokens = n_out[-1]
     t_pre = _median_time(run(1), repeats)
-    decoded = max(full_tokens - 1, 1)
+    decoded = max(full_tokens - batch, 1)
     return {"tokens_per_s": decoded / max(t_full - t_pre, 1e-9),
             "end_to_end_tokens_per_s": full_tokens / t_full, "new_tokens": full_tokens,
             "seconds": t_full, "prefill_seconds": t_pre}
 
 
-def cost_curve(model: Any, ks: tuple[int, ...], fill: int, repeats: int) -> dict[str, Any]:
-    """c(K) = t(forward of K new tokens) / t(forward of 1) with `fill` tokens already cached."""
+def cost_curve(model: Any, ks: tuple[int, ...], fill: int, repeats: int,
+               parents_of: Any = None) -> dict[str, Any]:
+    """c(K) = t(forward of K new tokens) / t(forward of 1) with `fill` tokens already cached.
+
+    parents_of: optional `K -> i32[K]` tree parents (node 0 the root, parent -1): the K new
+    tokens then form that tree (`Tree` mask, positions fill + depth) instead of a chain.
+    """
     from jspec.models.cache import KVCache  # noqa: PLC0415
-    from jspec.models.llama import forward  # noqa: PLC0415
+    from jspec.models.llama import Chain, Tree, forward  # noqa: PLC0415
 
     cfg = model.config
     cap = -(-(fill + max(ks) + 1) // 128) * 128
 
     @jax.jit
-    def fwd(w, toks, pos, cache):
-        out = forward(cfg, w, toks, pos, cache)
+    def fwd(w, toks, pos, cache, parents):
+        out = forward(cfg, w, toks, pos, cache, mask=Chain() if parents is None else Tree(parents))
         return out.logits, out.cache
 
     times = {}
     for k in ks:
         cache = KVCache.create(cfg, 1, cap).with_lengths(jnp.array([fill], jnp.int32))
         toks = jnp.zeros((1, k), jnp.int32) + 42
-        pos = fill + jnp.arange(k, dtype=jnp.int32)[None]
+        parents = None if parents_of is None else np.asarray(parents_of(k), np.int32)  # i32[K]
+        depth = np.arange(k) if parents is None else _tree_depth(parents)
+        pos = jnp.asarray(fill + depth, jnp.int32)[None]
 
-        def go(toks=toks, pos=pos, cache=cache):
-            jax.block_until_ready(fwd(model.weights, toks, pos, cache))
+        def go(toks=toks, pos=pos, cache=cache, parents=parents):
+            jax.block_until_ready(fwd(model.weights, toks, pos, cache, parents))
         times[k] = _median_time(go, repeats)
     return {"ms": {k: 1000 * t for k, t in times.items()},
             "c": {k: times[k] / times[ks[0]] for k in ks}, "fill": fill}
+
+
+def _tree_depth(parents: np.ndarray) -> np.ndarray:
+    """i32[T] depth of each node of a tree given by parents i32[T] (parents[t] < t, root -1)."""
+    depth = np.zeros(len(parents), np.int32)
+    for t, p in enumerate(parents):
+        depth[t] = 0 if p < 0 else depth[p] + 1
+    return depth
 
 
 def _print_table(title: str, header: list[str], rows: list[list[Any]]) -> None:
