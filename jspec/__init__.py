@@ -1,12 +1,13 @@
 """jspec: JAX-native speculative decoding."""
 
 from jspec import sharding
-from jspec.decode import GenerateOutput, SpecState, Stats, generate
+from jspec.decode import generate, stream
 from jspec.drafters import DraftModel, NGram, load_drafter
 from jspec.errors import JspecError, ModelLoadError
 from jspec.length import FixedLength, LibraSpec
 from jspec.models import Chain, KVCache, Model, ModelConfig, Tree, Weights, forward, load_model
 from jspec.sampling import Sampling
+from jspec.state import GenerateOutput, SpecState, Stats
 from jspec.verify import ASD, Diversed, DiversedHead, Lossless
 
 __all__ = [
@@ -35,4 +36,5 @@ __all__ = [
            "load_drafter",
            "load_model",
            "sharding",
+           "stream",
 ]

@@ -58,10 +58,11 @@ def probe(model: Any, drafter: Any, prompts: list[list[int]], d_max: int, max_ne
     Returns (conf f32[R, d_max], oracle i32[R]) over all rounds of all prompts.
     """
     import jspec  # noqa: PLC0415
-    from jspec.decode import _init_jit, bucket_length, cache_capacity, commit, features  # noqa: PLC0415
+    from jspec.decode import _init_jit  # noqa: PLC0415
     from jspec.drafters.base import DraftContext  # noqa: PLC0415
     from jspec.length import LibraSpec  # noqa: PLC0415
     from jspec.models.llama import forward  # noqa: PLC0415
+    from jspec.state import bucket_length, cache_capacity, commit, features  # noqa: PLC0415
     from jspec.verify.lossless import leading_true  # noqa: PLC0415
 
     cfg = model.config
@@ -83,7 +84,7 @@ def probe(model: Any, drafter: Any, prompts: list[list[int]], d_max: int, max_ne
         out = forward(cfg, weights, inp, pos, state.cache, hidden_layers=fl)
         tgt = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
         o = leading_true(valid & (draft == tgt[:, :d_max]))
-        ds = drafter.observe(ds, features(out.hidden), state.cache.lengths, o + 1)
+        ds = drafter.observe(ds, features(out.hidden, drafter), state.cache.lengths, o + 1)
         rows = jnp.arange(draft.shape[0])
         emitted = jnp.concatenate([draft, jnp.zeros_like(o)[:, None]], axis=1)
         emitted = emitted.at[rows, o].set(tgt[rows, o])
@@ -156,9 +157,10 @@ def block_time(model: Any, drafter: Any, fill: int, repeats: int) -> float:
     """Seconds per drafter block (`extend`) with `fill` context slots."""
     import jspec  # noqa: PLC0415
     from jspec.bench import _median_time  # noqa: PLC0415
-    from jspec.decode import _init_jit, cache_capacity  # noqa: PLC0415
+    from jspec.decode import _init_jit  # noqa: PLC0415
     from jspec.drafters.base import DraftContext  # noqa: PLC0415
     from jspec.length import LibraSpec  # noqa: PLC0415
+    from jspec.state import cache_capacity  # noqa: PLC0415
 
     ids = jnp.full((1, fill), 42, jnp.int32)
     state = _init_jit(model.weights, drafter, jspec.Lossless(), ids,

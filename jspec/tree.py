@@ -25,32 +25,25 @@ Stats: `accepted` = path length n (tokens beyond `last` accepted), `emitted` = n
 from __future__ import annotations
 
 import dataclasses
+import statistics
+import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jspec.decode import SpecState, commit, feature_layers, features
 from jspec.drafters.base import DraftContext
-from jspec.errors import JspecError
+from jspec.drafters.d2sd import tree_layout
 from jspec.models.cache import KVCache
 from jspec.models.config import ModelConfig
 from jspec.models.llama import Tree, Weights, forward, tree_ancestors
 from jspec.sampling import Sampling, sample
+from jspec.state import SpecState, commit, feature_layers, features
 
 
 def is_tree_drafter(drafter: Any) -> bool:
     """Drafters that propose trees (`propose_tree`) run `tree_round`."""
     return bool(getattr(drafter, "is_tree", False))
-
-
-def check_verifier(verifier: Any) -> None:
-    """The tree walk is its own (lossless) verifier: only `jspec.Lossless` is accepted."""
-    from jspec.verify import Lossless  # noqa: PLC0415
-
-    if verifier is not None and not isinstance(verifier, Lossless):
-        raise JspecError(f"tree drafters (D2SD) verify by walking the tree, which is lossless: "
-                         f"use jspec.Lossless(), got {type(verifier).__name__}")
 
 
 def walk(tokens: jax.Array, parents: jax.Array, depth: jax.Array, valid: jax.Array,
@@ -105,8 +98,9 @@ def compact_path(cache: KVCache, start: jax.Array, path: jax.Array) -> KVCache:
 def tree_round(config: ModelConfig, weights: Weights, drafter: Any, state: SpecState, *,
                k: int, sampling: Sampling, eos_ids: tuple[int, ...], verifier: Any = None
                ) -> SpecState:
-    """draft a tree -> one target forward over its T nodes -> walk -> commit the path."""
-    check_verifier(verifier)
+    """draft a tree -> one target forward over its T nodes -> walk -> commit the path.
+
+    The walk is the verifier: `generate` admits only a verifier that `supports.trees`."""
     key, k_draft, k_verify = jax.random.split(state.key, 3)
     cache = state.cache
     ctx = DraftContext(seq=state.seq, cache_len=cache.lengths, last=state.last)
@@ -124,7 +118,7 @@ def tree_round(config: ModelConfig, weights: Weights, drafter: Any, state: SpecS
     with jax.named_scope("commit"):
         new_cache = compact_path(out.cache, cache.lengths, path)
         if fl:
-            f = features(out.hidden)  # [B, T, F, D]
+            f = features(out.hidden, drafter)  # [B, T, F, D]
             f = jnp.take_along_axis(f, path[:, :, None, None], axis=1)  # [B, k+1, F, D]
             dstate = drafter.observe(dstate, f, cache.lengths, n + 1)
         path_tok = jnp.take_along_axis(tree.tokens, path[:, 1:], axis=1)  # [B, k]
@@ -143,11 +137,6 @@ def verify_cost(model: Any, drafter: Any, k: int, fill: int = 400, repeats: int 
     median of `repeats` after a warm-up, the tree being `drafter`'s layout for chain length k
     (boundaries 0..K-1; the cost does not depend on which).
     """
-    import statistics  # noqa: PLC0415
-    import time  # noqa: PLC0415
-
-    from jspec.drafters.d2sd import tree_layout  # noqa: PLC0415
-
     cfg = model.config
     n_br = drafter.num_branches(k)
     parents, depth, _ = tree_layout(k, n_br, drafter.branch_len,

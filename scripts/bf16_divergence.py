@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jspec
-from jspec.decode import bucket_length
 from jspec.models.cache import KVCache
 from jspec.models.llama import forward
 from jspec.prompts import load_prompt_set
+from jspec.state import bucket_length
 
 f32 = jspec.load_model("smollm2-135m")
 bf = f32.astype("bfloat16")

@@ -58,11 +58,11 @@ import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
 from jspec.bench import BENCH_PROMPT, cost_curve, decode_tps  # noqa: E402
-from jspec.decode import bucket_length  # noqa: E402
 from jspec.drafters import d2sd, dflash, eagle3  # noqa: E402
 from jspec.drafters.trained import DrafterConfig  # noqa: E402
 from jspec.models import KVCache, Model, ModelConfig, Tree, forward, init_weights  # noqa: E402
 from jspec.prompts import load_prompt_set  # noqa: E402
+from jspec.state import bucket_length  # noqa: E402
 
 SECTIONS = ("setup", "autoregressive", "speculative", "cost_curve", "llama8b", "kernel_check")
 SHIPPED = {"eagle3": "smollm2-135m-eagle3", "dflash": "smollm2-135m-dflash",

@@ -14,7 +14,8 @@ import pytest
 from conftest import pad_prompts, tiny_model
 
 import jspec
-from jspec.decode import left_to_right_padded, stream, validate_prompts
+from jspec.decode import stream
+from jspec.inputs import left_to_right_padded, validate_prompts
 from jspec.sampling import process_logits, sample
 from jspec.verify import Lossless, verify_chain
 from pallas_kernels.relaxed_acceptance import (

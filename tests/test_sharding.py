@@ -16,10 +16,10 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 
 import jspec
 from jspec import sharding
-from jspec.decode import init_state
 from jspec.drafters import dflash
 from jspec.drafters.trained import DrafterConfig
 from jspec.models import ModelConfig, init_weights
+from jspec.rounds import init_state
 from jspec.verify import Lossless
 
 ROOT = Path(__file__).resolve().parent.parent

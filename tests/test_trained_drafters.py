@@ -13,13 +13,14 @@ from conftest import pad_prompts as _pad
 from conftest import tiny_model
 
 import jspec
-from jspec.decode import features, init_state, speculative_round
 from jspec.drafters import dflash, eagle3
 from jspec.drafters.base import DraftContext
 from jspec.drafters.trained import DrafterConfig, draft_logits, load_drafter_file, save_drafter
 from jspec.models.cache import KVCache
 from jspec.models.llama import forward
+from jspec.rounds import init_state, speculative_round
 from jspec.sampling import Sampling
+from jspec.state import features
 from jspec.verify import Lossless
 
 

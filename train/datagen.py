@@ -42,12 +42,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.decode import _is_eos, bucket_length
-from jspec.drafters.trained import rms_normalize
 from jspec.models.cache import KVCache
 from jspec.models.config import ModelConfig
-from jspec.models.llama import Weights, forward, lm_logits
+from jspec.models.llama import Weights, forward, lm_logits, rms_normalize
 from jspec.sampling import Sampling, sample
+from jspec.state import bucket_length, is_eos
 
 # Hidden states recorded for the drafters: 5 layers spread over the 30 (DFlash uses all five,
 # EAGLE-3 the low/mid/high ones 1, 14, 27), then the final-normed state (target logits for the
@@ -157,7 +156,7 @@ def generate_with_features(weights: Weights, prompt_ids: jax.Array, prompt_lens:
     first = sample(sub, lm_logits(config, weights, last_h[:, 0]), sampling)
     toks = jnp.full((b, max_new), -1, jnp.int32).at[:, 0].set(first)
     rfeats = jnp.zeros((b, max_new, len(layers) + 1, config.hidden_size), jnp.float16)
-    done = _is_eos(first, eos_ids)
+    done = is_eos(first, eos_ids)
     n = jnp.ones((b,), jnp.int32)
     cache = out.cache.with_lengths(prompt_lens)
 
@@ -176,7 +175,7 @@ def generate_with_features(weights: Weights, prompt_ids: jax.Array, prompt_lens:
         nxt = jnp.where(done, -1, nxt)
         toks = toks.at[:, i + 1].set(nxt)
         n = n + (~done).astype(jnp.int32)
-        done = done | _is_eos(nxt, eos_ids)
+        done = done | is_eos(nxt, eos_ids)
         return i + 1, o.cache.with_lengths(cache.lengths + 1), toks, rfeats, done, n, key
 
     _, _, toks, rfeats, _, n, _ = jax.lax.while_loop(

@@ -83,9 +83,9 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm  # noqa: PLC0415
 
     import jspec  # noqa: PLC0415
-    from jspec.decode import bucket_length  # noqa: PLC0415
     from jspec.errors import JspecError  # noqa: PLC0415
     from jspec.prompts import load_prompt_set  # noqa: PLC0415
+    from jspec.state import bucket_length  # noqa: PLC0415
     from jspec.verify.diversed import Diversed, DiversedHead  # noqa: PLC0415
 
     if args.steps < 0 or args.batch < 1 or args.k < 1 or args.reg < 0:

@@ -48,8 +48,9 @@ from jspec.drafters.dflash import (
     train_blocks,
     train_context,
 )
-from jspec.drafters.trained import DrafterConfig, Params, draft_logits, rms_normalize
+from jspec.drafters.trained import DrafterConfig, Params, draft_logits
 from jspec.errors import JspecError
+from jspec.models.llama import rms_normalize
 from jspec.sampling import NEG, Sampling
 
 META_FIRST = "jspec_d2sd_first"  # safetensors metadata: the first drafter (name or path)

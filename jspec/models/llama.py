@@ -92,6 +92,12 @@ def tree_ancestors(parents: jax.Array) -> jax.Array:
     return anc
 
 
+def rms_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """x / RMS(x) over the last axis, float32 (how target features are fed to drafters)."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm in float32, cast back to x's dtype."""
     xf = x.astype(jnp.float32)

@@ -1,16 +1,15 @@
 """Verifiers: pure functions of (draft tokens, draft probs, target logits, key, state).
 
-A verifier is a frozen, hashable config object with
-  check(sampling)                      -> raises JspecError for an unsupported sampling mode
-  init_state(batch, max_rounds)        -> its state pytree (lives in SpecState.verifier)
-  verify(state, key, draft, q, logits, sampling, valid) -> (n_accepted, next_token, state)
-and is a pytree (Lossless and ASD are static ones; DIVERSED's learned head has array leaves).
-A verifier with `needs_hidden` also receives `hidden=(drafter hidden, target hidden)`.
+Every verifier subclasses `jspec.verify.base.Verifier`: it declares what it can verify in
+`supports` (`Supports`: greedy, sampled, exact, trees, needs_hidden) and implements `check`,
+`check_pair`, `init_state`, `verify` and `plain_step` (the protocol is in `base.py`);
+`generate` checks a verifier once, with `check_verifier`, and never asks its type.
 """
 
 import dataclasses
 
 from jspec.verify.asd import ASD, ASDState
+from jspec.verify.base import Supports, Verifier, check_verifier
 from jspec.verify.diversed import Diversed, DiversedHead, DiversedState
 from jspec.verify.lossless import (
     ACCEPTANCE_IMPLS,
@@ -22,8 +21,9 @@ from jspec.verify.lossless import (
 )
 
 __all__ = ["ACCEPTANCE_IMPLS", "ASD", "ASDState", "Diversed", "DiversedHead", "DiversedState",
-           "Lossless", "fused_acceptance_supports", "leading_true", "parse_verifier",
-           "verify_chain", "verify_chain_fused", "with_acceptance_impl"]
+           "Lossless", "Supports", "Verifier", "check_verifier", "fused_acceptance_supports",
+           "leading_true", "parse_verifier", "verify_chain", "verify_chain_fused",
+           "with_acceptance_impl"]
 
 USAGE = "lossless, asd[:budget=B,gate=G,cap=M], diversed[:w=W | :head=PATH]"
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jspec.errors import JspecError
 from jspec.sampling import Sampling
+from jspec.verify.base import Supports, Verifier
 from jspec.verify.lossless import leading_true
 
 
@@ -30,7 +31,7 @@ class ASDState:
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
-class ASD:
+class ASD(Verifier):
     """Budgeted approximate greedy verification. Static under jit.
 
     budget: regret budget B per request (persists across rounds); gate: g; cap: m.
@@ -53,10 +54,12 @@ class ASD:
     def strict(self) -> bool:
         return self.budget == 0 or self.gate == 0 or self.cap == 0
 
-    def check(self, sampling: Sampling) -> None:
-        if not sampling.greedy:
-            raise JspecError("ASD verifies greedy decoding only: use temperature 0 "
-                             f"(got temperature {sampling.temperature})")
+    name = "ASD"
+
+    @property
+    def supports(self) -> Supports:
+        """Greedy only; exact only in its strict settings."""
+        return Supports(sampled=False, exact=self.strict)
 
     def init_state(self, batch: int, max_rounds: int) -> ASDState:
         r = max_rounds if self.record else 0

@@ -33,6 +33,7 @@ import numpy as np
 
 from jspec.errors import JspecError
 from jspec.sampling import Sampling, process_logits
+from jspec.verify.base import Supports, Verifier
 from jspec.verify.lossless import leading_true, residual_token
 
 HEAD_KINDS = ("scalar", "context")
@@ -157,7 +158,7 @@ class DiversedState:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Diversed:
+class Diversed(Verifier):
     """The DIVERSED verifier. A pytree: a learned head's arrays are leaves (not baked in).
 
     weight: the static w (used when head is None). record: keep per-token p(y), q(y), TV and
@@ -187,8 +188,19 @@ class Diversed:
     def feat_dim(self) -> int:
         return self.head.d_draft + self.head.d_target if self.needs_hidden else 0
 
-    def check(self, sampling: Sampling) -> None:
-        """Every sampling mode is supported (greedy through the argmax-ν variant)."""
+    name = "Diversed"
+
+    @property
+    def supports(self) -> Supports:
+        """Every sampling mode (greedy through the argmax-ν variant); exact only at w = 1
+        without a head; a context-level head reads hidden states."""
+        return Supports(exact=self.head is None and self.weight == 1.0,
+                        needs_hidden=self.needs_hidden)
+
+    def check_pair(self, target_config: Any, drafter: Any) -> None:
+        """A learned head must fit the target's (and, context level, the drafter's) sizes."""
+        if self.head is not None:
+            self.head.check(target_config, getattr(drafter, "hidden_size", None))
 
     def init_state(self, batch: int, max_rounds: int) -> DiversedState:
         n = max_rounds if self.record else 0

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from jspec.errors import JspecError
 from jspec.sampling import Sampling, process_logits, sample_from_probs
+from jspec.verify.base import Supports, Verifier
 
 # Below this residual mass the residual is numerically empty: sample from p instead.
 RESIDUAL_EPS = 1e-8
@@ -18,7 +19,7 @@ ACCEPTANCE_IMPLS = ("xla", "pallas")
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
-class Lossless:
+class Lossless(Verifier):
     """The default verifier: output distributed exactly as the target's (greedy: identical).
 
     acceptance_impl: "xla" (`verify_chain`, jnp over full [B, K+1, V] arrays) or "pallas"
@@ -35,11 +36,12 @@ class Lossless:
             raise JspecError(f"acceptance_impl must be one of {ACCEPTANCE_IMPLS}, "
                              f"got {self.acceptance_impl!r}")
 
-    def check(self, sampling: Sampling) -> None:
-        """Any sampling configuration is fine."""
+    name = "Lossless"
 
-    def init_state(self, batch: int, max_rounds: int) -> None:
-        return None
+    @property
+    def supports(self) -> Supports:
+        """Every temperature, exact; the tree walk (`jspec.tree`) is this verifier for trees."""
+        return Supports(trees=True)
 
     def verify(self, vstate: None, key: jax.Array, draft: jax.Array, q: jax.Array | None,
                target_logits: jax.Array, sampling: Sampling, valid: jax.Array

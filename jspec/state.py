@@ -1,0 +1,202 @@
+"""The state carried between decoding rounds, and the two steps every round shares.
+
+`SpecState` (a registered dataclass pytree, donated between dispatches) holds the target cache,
+the committed sequence, the output buffer, the PRNG key and the drafter's / verifier's states;
+`prefill` creates it, `commit` appends a round's tokens (cut at EOS / `max_new_tokens`) and
+advances the cache length. Fixed capacity everywhere: ragged acceptance never changes a shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.models.cache import KVCache
+from jspec.models.config import ModelConfig
+from jspec.models.llama import Weights, forward, lm_logits, rms_normalize
+from jspec.sampling import Sampling, sample
+
+INVALID = -1  # the padding value of output token buffers
+
+
+def bucket_length(n: int) -> int:
+    """Prompt widths are padded to a few buckets so that shapes (and compiles) stay few."""
+    if n <= 32:
+        return 32
+    if n <= 256:
+        return -(-n // 32) * 32
+    return -(-n // 128) * 128
+
+
+def cache_capacity(prompt_width: int, max_new_tokens: int, lookahead: int = 0) -> int:
+    """Slots needed for the prompt, the new tokens and a verify block of `lookahead` drafts."""
+    need = prompt_width + max_new_tokens + lookahead + 1
+    return -(-need // 128) * 128
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Stats:
+    """Per-row decoding statistics (all i32)."""
+
+    rounds: jax.Array  # i32[B] target verify passes after prefill
+    emitted: jax.Array  # i32[B] tokens committed by those rounds (accepted + bonus/correction)
+    accepted: jax.Array  # i32[B] drafted tokens accepted
+    drafted: jax.Array  # i32[B] drafted tokens verified
+    accepted_at: jax.Array  # i32[B, K] rounds in which draft position k was accepted
+    # Σ over rounds of the oracle length (the longest drafted prefix the verifier would have
+    # accepted, observed within the verified width, so a lower bound when it reaches that
+    # width) and of |verified length − oracle length|. Under a fixed K the oracle is the
+    # accepted count (exact for the lossless verifier; relaxed verifiers accept more).
+    oracle: jax.Array  # i32[B]
+    oracle_gap: jax.Array  # i32[B]
+
+    @classmethod
+    def zeros(cls, batch: int, k: int) -> Stats:
+        z = jnp.zeros((batch,), jnp.int32)
+        return cls(rounds=z, emitted=z, accepted=z, drafted=z,
+                   accepted_at=jnp.zeros((batch, k), jnp.int32), oracle=z, oracle_gap=z)
+
+    def mean_accepted(self) -> np.ndarray:
+        """τ per row: tokens committed per round (accepted drafts + 1), host-side."""
+        r = np.maximum(np.asarray(self.rounds), 1)
+        return np.asarray(self.emitted) / r
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecState:
+    """Everything a decoding round reads and writes. A pytree; donated between dispatches.
+
+    Invariant: the target cache holds every committed token except `last`, which is the
+    input of the next target forward.
+    """
+
+    cache: KVCache  # target KV cache; lengths i32[B]
+    seq: jax.Array  # i32[B, C] prompt + committed tokens; seq[b, cache.lengths[b]] == last[b]
+    tokens: jax.Array  # i32[B, N] generated tokens, INVALID-padded
+    num_new: jax.Array  # i32[B] generated so far (including EOS)
+    last: jax.Array  # i32[B] last committed token, not yet in the cache
+    done: jax.Array  # bool[B] row finished (EOS or max_new_tokens)
+    key: jax.Array  # PRNG key
+    stats: Stats
+    drafter: Any = None  # drafter state pytree (None for autoregressive decoding)
+    verifier: Any = None  # verifier state pytree (e.g. ASD's regret budget)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class GenerateOutput:
+    tokens: jax.Array  # i32[B, N] new tokens, INVALID (-1) after each row's end
+    lengths: jax.Array  # i32[B] new tokens per row (EOS included when emitted)
+    stats: Stats
+    verifier: Any = None  # the verifier's final state (e.g. ASD's remaining budget)
+
+
+def is_eos(tok: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    out = jnp.zeros(tok.shape, bool)
+    for e in eos_ids:
+        out = out | (tok == e)
+    return out
+
+
+def prefill(config: ModelConfig, weights: Weights, prompt_ids: jax.Array,
+            prompt_lengths: jax.Array, key: jax.Array, *, sampling: Sampling,
+            max_new_tokens: int, capacity: int, eos_ids: tuple[int, ...], draft_k: int = 0,
+            feature_layers: tuple[int, ...] = ()) -> tuple[SpecState, Any]:
+    """Run the prompt through the target and sample the first new token.
+
+    Args:
+      prompt_ids: i32[B, P] right-padded prompts. prompt_lengths: i32[B], 1 <= len <= P.
+    Returns:
+      (state, forward output of the prompt) — the latter lets drafters read target features.
+    """
+    b, p = prompt_ids.shape
+    cache = KVCache.create(config, b, capacity)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    with jax.named_scope("prefill"):
+        out = forward(config, weights, prompt_ids, positions, cache, compute_logits=False,
+                      hidden_layers=feature_layers)
+        last_h = jnp.take_along_axis(out.final_hidden, (prompt_lengths - 1)[:, None, None], axis=1)
+        logits = lm_logits(config, weights, last_h[:, 0])  # [B, V]
+    key, sub = jax.random.split(key)
+    first = sample(sub, logits, sampling)
+    tokens = jnp.full((b, max_new_tokens), INVALID, jnp.int32).at[:, 0].set(first)
+    done = is_eos(first, eos_ids) | (max_new_tokens <= 1)
+    seq = jnp.zeros((b, capacity), jnp.int32).at[:, :p].set(prompt_ids)
+    seq = seq.at[jnp.arange(b), prompt_lengths].set(first)
+    state = SpecState(cache=out.cache.with_lengths(prompt_lengths), seq=seq, tokens=tokens,
+                        num_new=jnp.ones((b,), jnp.int32), last=first, done=done, key=key,
+                        stats=Stats.zeros(b, draft_k))
+    return state, out
+
+
+def commit(state: SpecState, emitted: jax.Array, n_emit: jax.Array, eos_ids: tuple[int, ...],
+           cache: KVCache, n_accepted: jax.Array, n_drafted: int | jax.Array,
+           oracle: jax.Array | None = None) -> SpecState:
+    """Append up to `n_emit` tokens per live row, stop rows at EOS / max_new_tokens.
+
+    Args:
+      emitted: i32[B, M] this round's tokens (accepted drafts then the correction/bonus token).
+      n_emit: i32[B] in [1, M] how many of them the verifier produced.
+      cache: the target cache after the verify forward; its K/V for `last` and the first
+        n_emit - 1 emitted tokens are valid, so committing is only a length update.
+      n_accepted: i32[B] accepted drafted tokens (for statistics).
+      n_drafted: drafted tokens verified (int, or i32[B] under LibraSpec).
+      oracle: i32[B] or None: LibraSpec's oracle length this round (statistics).
+    """
+    b, m = emitted.shape
+    n_max = state.tokens.shape[1]
+    live = ~state.done
+    j = jnp.arange(m, dtype=jnp.int32)[None, :]
+    eos = is_eos(emitted, eos_ids) & (j < n_emit[:, None])
+    first_eos = jnp.min(jnp.where(eos, j, m), axis=1)
+    count = jnp.minimum(jnp.minimum(n_emit, first_eos + 1), n_max - state.num_new)
+    count = jnp.where(live, count, 0)
+    keep = j < count[:, None]
+    rows = jnp.arange(b)[:, None]
+    out_slot = jnp.where(keep, state.num_new[:, None] + j, n_max)  # n_max: dropped
+    tokens = state.tokens.at[rows, out_slot].set(emitted, mode="drop")
+    seq_slot = jnp.where(keep, state.cache.lengths[:, None] + 1 + j, state.seq.shape[1])
+    seq = state.seq.at[rows, seq_slot].set(emitted, mode="drop")
+    num_new = state.num_new + count
+    new_last = jnp.take_along_axis(emitted, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+    hit_eos = live & (first_eos < count)
+    done = state.done | hit_eos | (num_new >= n_max)
+    k = state.stats.accepted_at.shape[1]
+    acc = jnp.where(live, n_accepted, 0)
+    stats = Stats(rounds=state.stats.rounds + live, emitted=state.stats.emitted + count,
+                  accepted=state.stats.accepted + acc,
+                  drafted=state.stats.drafted + live * n_drafted,
+                  accepted_at=state.stats.accepted_at
+                  + (jnp.arange(k)[None, :] < acc[:, None]).astype(jnp.int32),
+                  oracle=state.stats.oracle, oracle_gap=state.stats.oracle_gap)
+    if oracle is not None:
+        stats.oracle = stats.oracle + jnp.where(live, oracle, 0)
+        stats.oracle_gap = stats.oracle_gap + jnp.where(live, jnp.abs(n_drafted - oracle), 0)
+    return dataclasses.replace(
+        state, cache=cache.with_lengths(state.cache.lengths + count), seq=seq, tokens=tokens,
+        num_new=num_new, last=jnp.where(count > 0, new_last, state.last), done=done, stats=stats)
+
+
+def feature_layers(drafter: Any) -> tuple[int, ...]:
+    """Target layers whose hidden states the drafter reads (trained drafters), else ()."""
+    return tuple(getattr(drafter, "feature_layers", ()) or ())
+
+
+def features(hidden: jax.Array, drafter: Any = None) -> jax.Array:
+    """[n, B, T, D] target hidden states -> f32[B, T, n, D], each vector divided by its RMS;
+    raw (only cast) for a drafter whose `feature_norm` is "none" (imported EAGLE-3 / DFlash
+    checkpoints, trained on the raw hidden states: jspec.drafters.interop)."""
+    if getattr(drafter, "feature_norm", "rms") == "none":
+        return jnp.moveaxis(hidden.astype(jnp.float32), 0, 2)
+    return jnp.moveaxis(rms_normalize(hidden), 0, 2)
+
+
+def drafter_may_abstain(drafter: Any) -> bool:
+    """Drafters that may propose nothing (-1) for a whole batch get a cheap fallback branch."""
+    return bool(getattr(drafter, "may_abstain", False))
