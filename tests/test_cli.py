@@ -85,7 +85,10 @@ def test_real_json_output_and_drafter(real_model, tmp_path):
         assert proc.returncode == 0, proc.stderr
         rec = json.loads(proc.stdout.strip().splitlines()[-1])
         assert set(rec) == {"prompt", "text", "token_ids", "new_tokens", "rounds",
-                            "mean_accepted", "seconds"}
+                            "mean_accepted", "seconds", "provenance"}
+        prov = rec["provenance"]  # where and how: machine, versions, dtype, the command
+        assert prov["dtype"] == "float32" and prov["device_count"] >= 1 and prov["jaxlib"]
+        assert "jspec generate" in prov["command"] and "--json" in prov["command"]
         assert rec["new_tokens"] == len(rec["token_ids"]) and "Paris" in rec["text"]
         outs.append(rec)
     assert outs[0]["token_ids"] == outs[1]["token_ids"]

@@ -13,10 +13,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     datagen.add_parser(sub)
     try:
-        from train import d2sd, diversed, drafters  # noqa: PLC0415
+        from train import d2sd, diversed, drafters, export  # noqa: PLC0415
         drafters.add_parsers(sub)
         d2sd.add_parser(sub)
         diversed.add_parser(sub)
+        export.add_parser(sub)
     except ImportError:
         pass
     args = parser.parse_args(argv)

@@ -25,16 +25,17 @@ from jspec.drafters.trained import (
     choose,
     dense,
     draft_logits,
+    forward_layers,
+    in_config_order,
     init_dense,
     init_layer,
     mlp,
     qkv,
-    rms_normalize,
     shared_inputs,
     standardize,
     verify_head,
 )
-from jspec.models.llama import rms_norm, rope
+from jspec.models.llama import rms_norm, rms_normalize, rope
 from jspec.sampling import Sampling
 
 
@@ -73,6 +74,8 @@ def context_kv(cfg: DrafterConfig, p: Params, c: jax.Array, positions: jax.Array
     for i in range(cfg.num_layers):
         k = dense(c, p[f"l{i}.wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         v = dense(c, p[f"l{i}.wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            k = rms_norm(k, p[f"l{i}.k_norm"], cfg.rms_eps)
         out.append((rope(k, positions, inv), v))
     return out
 
@@ -120,6 +123,24 @@ def block_inputs(p: Params, embed: jax.Array, anchors: jax.Array, gamma: int,
     return jnp.concatenate([a, msk], axis=2).reshape(b, m * gamma, -1)
 
 
+def token_block_inputs(embed: jax.Array, anchors: jax.Array, gamma: int, mask_id: int
+                       ) -> jax.Array:
+    """f32[B, M*γ, D]: the DFlash release's block input, the target's embeddings of
+    [anchor, MASK x (γ-1)] per anchor (`block_input="tokens"`). anchors: i32[B, M]."""
+    b, m = anchors.shape
+    toks = jnp.concatenate([anchors[:, :, None],
+                            jnp.full((b, m, gamma - 1), mask_id, anchors.dtype)], axis=2)
+    return jnp.take(embed, toks.reshape(b, m * gamma), axis=0).astype(jnp.float32)
+
+
+def make_block_inputs(cfg: DrafterConfig, p: Params, embed: jax.Array, anchors: jax.Array,
+                      gamma: int, last_c: jax.Array) -> jax.Array:
+    """f32[B, M*γ, D] block inputs in the drafter's variant (`cfg.block_input`)."""
+    if cfg.block_input == "tokens":
+        return token_block_inputs(embed, anchors, gamma, cfg.mask_token_id)
+    return block_inputs(p, embed, anchors, gamma, last_c)
+
+
 def train_forward(cfg: DrafterConfig, p: Params, embed: jax.Array, tokens: jax.Array,
                   feats: jax.Array, anchors: jax.Array, gamma: int) -> jax.Array:
     """Many blocks per sequence in one pass.
@@ -132,7 +153,7 @@ def train_forward(cfg: DrafterConfig, p: Params, embed: jax.Array, tokens: jax.A
     c, ctx_kv = train_context(cfg, p, feats)
     a_tok = jnp.take_along_axis(tokens, anchors, axis=1)
     last_c = jnp.take_along_axis(c, jnp.maximum(anchors - 1, 0)[..., None], axis=1)
-    x = block_inputs(p, embed, a_tok, gamma, last_c)
+    x = make_block_inputs(cfg, p, embed, a_tok, gamma, last_c)
     return train_blocks(cfg, p, x, anchors, ctx_kv, gamma)
 
 
@@ -190,7 +211,13 @@ class DFlash:
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
-        return self.cfg.feature_layers
+        """Target layers the forward is asked for (sorted, unique; `in_config_order`)."""
+        return forward_layers(self.cfg.feature_layers)
+
+    @property
+    def feature_norm(self) -> str:
+        """"rms" (jspec's drafters) or "none" (raw hidden states: imported checkpoints)."""
+        return self.cfg.feature_norm
 
     @property
     def may_abstain(self) -> bool:
@@ -221,6 +248,7 @@ class DFlash:
         (default k; larger under LibraSpec, whose extra blocks come from `extend`)."""
         b, p = prompt_ids.shape
         cfg = self.cfg
+        features = in_config_order(cfg, features)
         z = jnp.zeros((b, capacity, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
         pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         ck, cv, c = self._write((z,) * cfg.num_layers, (z,) * cfg.num_layers, features, pos)
@@ -234,7 +262,8 @@ class DFlash:
 
     def observe(self, state: DFlashState, feats: jax.Array, start: jax.Array,
                 count: jax.Array) -> DFlashState:
-        return dataclasses.replace(state, pending=Pending(feats, start, count))
+        return dataclasses.replace(state, pending=Pending(in_config_order(self.cfg, feats),
+                                                          start, count))
 
     def propose(self, state: DFlashState, ctx: DraftContext, k: int, sampling: Sampling,
                 key: jax.Array) -> tuple[jax.Array, jax.Array | None, DFlashState]:
@@ -282,7 +311,8 @@ class DFlash:
         cfg, p = self.cfg, self.params
         b = anchor.shape[0]
         gamma = k + 1
-        x = block_inputs(p, self.embed, anchor[:, None], gamma, last_c[:, None])  # [B, γ, D]
+        x = make_block_inputs(cfg, p, self.embed, anchor[:, None], gamma,
+                              last_c[:, None])  # [B, γ, D]
         qpos = anchor_pos[:, None] + jnp.arange(gamma, dtype=jnp.int32)[None]
         slots = jnp.arange(ck[0].shape[1], dtype=jnp.int32)
         ctx_mask = jnp.broadcast_to(slots[None, None, :] < ctx_len[:, None, None],

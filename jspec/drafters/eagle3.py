@@ -24,6 +24,8 @@ from jspec.drafters.trained import (
     choose,
     dense,
     draft_logits,
+    forward_layers,
+    in_config_order,
     init_dense,
     init_layer,
     mlp,
@@ -58,6 +60,12 @@ def _layer_in(cfg: DrafterConfig, p: Params, emb: jax.Array, g: jax.Array) -> ja
                             rms_norm(g, p["norm_feat"], cfg.rms_eps)], axis=-1)  # [B, T, 2D]
 
 
+def _residual(cfg: DrafterConfig, p: Params, g: jax.Array) -> jax.Array:
+    """The attention block's residual: g, or hidden_norm(g) with `norm_before_residual` (a
+    vLLM option of EAGLE-3 checkpoints)."""
+    return rms_norm(g, p["norm_feat"], cfg.rms_eps) if cfg.norm_before_residual else g
+
+
 def step(cfg: DrafterConfig, p: Params, emb: jax.Array, g: jax.Array, positions: jax.Array,
          ck: jax.Array, cv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One cached pass over T entries. emb, g: [B, T, D]; positions i32[B, T] (= cache slots).
@@ -72,7 +80,7 @@ def step(cfg: DrafterConfig, p: Params, emb: jax.Array, g: jax.Array, positions:
     cv = cv.at[rows, positions].set(v, mode="drop")
     slots = jnp.arange(ck.shape[1], dtype=jnp.int32)
     mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, C]
-    x = g + dense(attention(q, ck, cv, mask), p["wo"])
+    x = _residual(cfg, p, g) + dense(attention(q, ck, cv, mask), p["wo"])
     return mlp(p, "", x, cfg.rms_eps), ck, cv
 
 
@@ -115,7 +123,7 @@ def train_forward(cfg: DrafterConfig, p: Params, embed: jax.Array, tokens: jax.A
             for i, dv in enumerate(diag_v):
                 o = o + jnp.einsum("bkgt,btkd->btkgd", pr[..., s + i], dv)
             o = o.reshape(b, s, cfg.num_heads * hd)
-        x = g + dense(o, p["wo"])
+        x = _residual(cfg, p, g) + dense(o, p["wo"])
         h = mlp(p, "", x, cfg.rms_eps)
         outs.append(h)
         g = h
@@ -152,7 +160,13 @@ class Eagle3:
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
-        return self.cfg.feature_layers
+        """Target layers the forward is asked for (sorted, unique; `in_config_order`)."""
+        return forward_layers(self.cfg.feature_layers)
+
+    @property
+    def feature_norm(self) -> str:
+        """"rms" (jspec's drafters) or "none" (raw hidden states: imported checkpoints)."""
+        return self.cfg.feature_norm
 
     @property
     def may_abstain(self) -> bool:
@@ -167,6 +181,7 @@ class Eagle3:
         """Ingest prompt entries 0..len-2; entry len-1 waits for the first sampled token."""
         b, p = prompt_ids.shape
         cfg = self.cfg
+        features = in_config_order(cfg, features)
         ck = jnp.zeros((b, capacity, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
         cv = jnp.zeros_like(ck)
         pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
@@ -183,7 +198,8 @@ class Eagle3:
     def observe(self, state: Eagle3State, feats: jax.Array, start: jax.Array,
                 count: jax.Array) -> Eagle3State:
         """Features f32[B, K+1, F, D] of the verify block at positions start.., count valid."""
-        return dataclasses.replace(state, pending=Pending(feats, start, count))
+        return dataclasses.replace(state, pending=Pending(in_config_order(self.cfg, feats),
+                                                          start, count))
 
     def propose(self, state: Eagle3State, ctx: DraftContext, k: int, sampling: Sampling,
                 key: jax.Array) -> tuple[jax.Array, jax.Array | None, Eagle3State]:

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from jspec.drafters import interop
 from jspec.drafters.draft_model import DraftModel
 from jspec.drafters.ngram import NGram
 from jspec.errors import JspecError, ModelLoadError
@@ -86,8 +87,10 @@ def load_drafter(name_or_path: str | os.PathLike, *, target: Any = None) -> Any:
     ("smollm2-135m-eagle3", "smollm2-135m-dflash", optionally ":cut=0.5" to stop drafting where
     the VAT verification head's probability falls below 0.5; "smollm2-135m-d2sd", the D²SD tree
     drafter, optionally ":branches=4,branch_len=1" (the defaults)) or a `.safetensors` file written
-    by `python -m train`; a Hugging Face directory or .gguf file of a small Llama-family model
-    with the target's tokenizer. `target` may be omitted for trained drafters (their target is
+    by `python -m train`; an EAGLE-3 checkpoint directory (SpecForge / vLLM layout) or a DFlash
+    one (z-lab release layout), or one written by `python -m train export`
+    (`jspec.drafters.interop`); a Hugging Face directory or .gguf file of a small Llama-family
+    model with the target's tokenizer. `target` may be omitted for trained drafters (their target is
     loaded by name).
     """
     from jspec.models.model import load_model  # noqa: PLC0415
@@ -113,6 +116,9 @@ def load_drafter(name_or_path: str | os.PathLike, *, target: Any = None) -> Any:
         if not path.is_file():
             raise ModelLoadError(f"drafter file {path} not found")
         return _trained(path, target, cut, name, tree_opts)
+    ckpt = Path(name).expanduser()
+    if ckpt.is_dir() and interop.checkpoint_kind(ckpt) is not None:  # EAGLE-3 / DFlash layouts
+        return interop.load_checkpoint(ckpt, target, name=name)
     if target is None:
         raise JspecError(f"load_drafter({name!r}) needs target=")
     if kind == "ngram":

@@ -23,10 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.errors import JspecError
+from jspec.models.config import ModelConfig
 from jspec.models.llama import rms_norm, rope
 from jspec.sampling import NEG, Sampling, process_logits
 
 Params = dict[str, jax.Array]
+FEATURE_NORMS = ("rms", "none")
+BLOCK_INPUTS = ("jspec", "tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +51,25 @@ class DrafterConfig:
     block: int  # DFlash: γ (anchor + γ-1 masks); EAGLE-3: training-time-test steps
     target: str = ""  # name of the target it was trained for
     vat: bool = False  # has a trained verification head
+    # Variants of the community checkpoints (jspec.drafters.interop); the defaults are jspec's
+    # own drafters.
+    feature_norm: str = "rms"  # "rms": each feature divided by its RMS (jspec); "none": raw
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # HF rope_scaling pairs
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (DFlash release, Qwen3)
+    norm_before_residual: bool = False  # EAGLE-3: the residual is hidden_norm(g), not g (vLLM)
+    block_input: str = "jspec"  # DFlash: "jspec" (block_inputs) | "tokens" ([anchor, MASK...])
+    mask_token_id: int = -1  # DFlash block_input="tokens": the MASK token's id
+
+    def __post_init__(self) -> None:
+        if self.feature_norm not in FEATURE_NORMS:
+            raise JspecError(f"feature_norm must be one of {FEATURE_NORMS}, got "
+                             f"{self.feature_norm!r}")
+        if self.block_input not in BLOCK_INPUTS:
+            raise JspecError(f"block_input must be one of {BLOCK_INPUTS}, got "
+                             f"{self.block_input!r}")
+        if self.block_input == "tokens" and not 0 <= self.mask_token_id < self.target_vocab:
+            raise JspecError(f"block_input='tokens' needs a mask_token_id in [0, "
+                             f"{self.target_vocab}), got {self.mask_token_id}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -56,20 +78,34 @@ class DrafterConfig:
     def from_json(cls, s: str) -> DrafterConfig:
         d = json.loads(s)
         d["feature_layers"] = tuple(d["feature_layers"])
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = tuple(tuple(kv) for kv in d["rope_scaling"])
         return cls(**d)
 
     def inv_freq(self) -> np.ndarray:
         hd = self.head_dim
+        if self.rope_scaling is not None:  # the target's rule (linear / llama3 scaling)
+            return ModelConfig(head_dim=hd, rope_theta=self.rope_theta,
+                               rope_scaling=self.rope_scaling).inv_freq()
         return 1.0 / (self.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
 
 
-def rms_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """x / RMS(x) over the last axis, float32 (how features are fed to drafters)."""
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-
-
 FROZEN = ("feat_mean", "feat_std")  # parameters set from data statistics, not trained
+
+
+def forward_layers(layers: tuple[int, ...]) -> tuple[int, ...]:
+    """The layers the target forward returns for `layers`: each once, sorted."""
+    return tuple(sorted(set(layers)))
+
+
+def in_config_order(cfg: DrafterConfig, feats: jax.Array) -> jax.Array:
+    """f32[B, T, F, D] features in `cfg.feature_layers` order from the target forward's
+    f32[B, T, F_u, D] (its sorted unique layers). jspec's own drafters list sorted unique
+    layers (no-op); an imported checkpoint may name a layer twice or out of order."""
+    fl = forward_layers(cfg.feature_layers)
+    if fl == cfg.feature_layers:
+        return feats
+    return feats[:, :, np.asarray([fl.index(i) for i in cfg.feature_layers])]
 
 
 def standardize(p: Params, feats: jax.Array) -> jax.Array:
@@ -108,12 +144,16 @@ def mlp(p: Params, prefix: str, x: jax.Array, eps: float) -> jax.Array:
 
 def qkv(cfg: DrafterConfig, p: Params, prefix: str, x: jax.Array, positions: jax.Array
         ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """RoPE'd q [B, T, H, hd], k, v [B, T, KV, hd] from (already normed) x: [B, T, Din]."""
+    """RoPE'd q [B, T, H, hd], k, v [B, T, KV, hd] from (already normed) x: [B, T, Din]
+    (`cfg.qk_norm`: q and k RMS-normalised per head first, params `q_norm`, `k_norm` [hd])."""
     b, t, _ = x.shape
     inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
     q = dense(x, p[prefix + "wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
     k = dense(x, p[prefix + "wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     v = dense(x, p[prefix + "wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, p[prefix + "q_norm"], cfg.rms_eps)
+        k = rms_norm(k, p[prefix + "k_norm"], cfg.rms_eps)
     return rope(q, positions, inv), rope(k, positions, inv), v
 
 
