@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.errors import JspecError
+from jspec.provenance import provenance
 
 AR_FLOAT32 = "autoregressive float32"  # the float32 baseline row of a --dtype bfloat16 run
 BENCH_PROMPT = ("Write a Python function that checks whether a string is a palindrome, "
@@ -171,8 +172,8 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
     """Speculative rows: every drafter x K x temperature against autoregressive decoding of the
     same target on the same prompts, in one run. batch 1, prompts one at a time."""
     import jspec  # noqa: PLC0415
-    from jspec.decode import bucket_length  # noqa: PLC0415
     from jspec.prompts import load_prompt_set  # noqa: PLC0415
+    from jspec.state import bucket_length  # noqa: PLC0415
 
     try:
         from tqdm import tqdm  # noqa: PLC0415
@@ -337,7 +338,8 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
                   "speedup", "vs best AR", "tau", "accept",
                   "acceptance by position", "changed", "NLL/token", "TV/token", "score"], table)
     return {"prompts": args.prompts, "dtype": args.dtype, "rows": out_rows, "rho_8": cost["c"][8],
-            "tree_c": tree_c, "new_tokens": args.new_tokens, "repeats": args.repeats}
+            "cost": cost, "tree_c": tree_c, "new_tokens": args.new_tokens,
+            "repeats": args.repeats}
 
 
 def _quality(model: Any, enc: list[list[int]], rows: list[dict[str, Any]],
@@ -346,9 +348,9 @@ def _quality(model: Any, enc: list[list[int]], rows: list[dict[str, Any]],
     """Per configuration: mean target NLL per generated token (the target scoring the output at
     temperature 1), the task score (HumanEval pass@1 / exact answer, `jspec.tasks`), and at T=0
     the fraction of outputs that differ from autoregressive greedy."""
-    from jspec.decode import bucket_length  # noqa: PLC0415
     from jspec.models.cache import KVCache  # noqa: PLC0415
     from jspec.models.llama import forward  # noqa: PLC0415
+    from jspec.state import bucket_length  # noqa: PLC0415
     from jspec.tasks import score  # noqa: PLC0415
 
     cfg = model.config
@@ -422,6 +424,12 @@ def main(args: argparse.Namespace) -> int:
         res["baseline"] = baseline(args)
     if args.drafters:
         res["speculative"] = speculative(args)
+    res["provenance"] = provenance(dtype=getattr(args, "dtype", None))
     if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps(res, indent=1, default=float))
+    if getattr(args, "plot", None):
+        from jspec.plot import plot_bench  # noqa: PLC0415 (matplotlib, optional)
+
+        print(f"wrote {plot_bench(json.loads(json.dumps(res, default=float)), args.plot)}")
     return 0

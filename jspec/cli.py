@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="feed the prompt as is instead of through the model's chat template")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object per prompt (prompt, text, token_ids, new_tokens, "
-                        "rounds, mean_accepted, seconds) instead of streaming text")
+                        "rounds, mean_accepted, seconds, provenance: machine, jax/jaxlib, dtype, "
+                        "command line) instead of streaming text")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="weights/activations dtype (default float32). bfloat16 decodes ~1.2x "
                         "faster on this CPU and verifies K tokens almost at the cost of one, "
@@ -79,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "DIVERSED are approximate: the output may differ from the target's")
     g.add_argument("--mesh", help="DATAxMODEL, e.g. 1x8: run sharded on a device mesh (weights "
                                   "over model by jspec.sharding.RULES; see docs/SCALING.md)")
+    g.add_argument("--distributed", action="store_true",
+                   help="call jax.distributed.initialize() first (multi-host: run the same command "
+                        "on every host; under `python -m jspec.launch` it joins by itself); "
+                        "only process 0 prints")
     _add_sampling_args(g)
     _add_impl_args(g)
 
@@ -156,7 +161,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt set and range, e.g. humaneval:8 or humaneval:100-164")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--json-out", type=Path, help="also write the results as JSON to this file")
+    b.add_argument("--plot", type=Path, metavar="OUT.png",
+                   help="also draw the results (acceptance by position, speedup and tau "
+                        "against K, c(K)); needs matplotlib (the plot extra)")
     _add_impl_args(b)
+
+    pl = sub.add_parser("plot", help="draw a saved bench JSON (or a training log.jsonl)",
+                        description="Draw the pictures of `bench --plot` from a bench JSON "
+                                    "written with --json-out, without re-running it; a "
+                                    "`python -m train` log.jsonl gives its loss / tau curves.")
+    pl.add_argument("json", help="bench JSON (--json-out) or training log.jsonl")
+    pl.add_argument("out", help="PNG to write")
     return parser
 
 
@@ -191,8 +206,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import numpy as np  # noqa: PLC0415
 
     import jspec  # noqa: PLC0415
+    from jspec import launch  # noqa: PLC0415
     from jspec.decode import stream  # noqa: PLC0415
+    from jspec.provenance import provenance  # noqa: PLC0415
 
+    # Before any other JAX call: join the other processes (under jspec.launch, or --distributed).
+    launch.initialize(fallback=args.distributed)
+    show = jax.process_index() == 0  # every process runs the same program; one prints
     if args.max_new_tokens < 1:
         raise JspecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = jspec.Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -213,6 +233,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         drafter = jspec.sharding.shard_drafter(drafter, mesh)
     spec = dict(drafter=drafter, length=length, verifier=verifier if drafter else None, mesh=mesh)
     key = jax.random.key(args.seed)
+    prov = provenance(dtype=args.dtype) if args.json else None  # machine, versions, command
     for i, text in enumerate(prompts):
         ids = model.encode(text, chat=not args.raw)
         t0 = time.perf_counter()
@@ -220,7 +241,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             out = jspec.generate(model, np.asarray([ids], np.int32),
                                  max_new_tokens=args.max_new_tokens, sampling=sampling,
                                  key=jax.random.fold_in(key, i), **spec)
-            tokens, n, stats = jax.device_get((out.tokens, out.lengths, out.stats))
+            tokens, n, stats = jspec.sharding.to_host((out.tokens, out.lengths, out.stats))
             secs = time.perf_counter() - t0
             new = [int(t) for t in tokens[0, : int(n[0])]]
             # rounds: target verify passes after the prompt's (which gives the first token);
@@ -228,8 +249,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             rec = {"prompt": text, "text": model.decode(new), "token_ids": new,
                    "new_tokens": len(new), "rounds": int(stats.rounds[0]),
                    "mean_accepted": round(float(stats.mean_accepted()[0]), 4),
-                   "seconds": round(secs, 3)}
-            print(json.dumps(rec), flush=True)
+                   "seconds": round(secs, 3), "provenance": prov}
+            if show:
+                print(json.dumps(rec), flush=True)
         else:
             shown = ""
             for tokens, num_new, _, _ in stream(model, np.asarray([ids], np.int32),
@@ -240,12 +262,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 # Print only the stable part: a partial UTF-8 sequence decodes to U+FFFD.
                 stable = text_now.rstrip("\ufffd")
                 if stable.startswith(shown):
-                    sys.stdout.write(stable[len(shown):])
-                    sys.stdout.flush()
+                    if show:
+                        sys.stdout.write(stable[len(shown):])
+                        sys.stdout.flush()
                     shown = stable
-            sys.stdout.write("\n")
-            if len(prompts) > 1:
-                sys.stdout.write("\n")
+            if show:
+                sys.stdout.write("\n\n" if len(prompts) > 1 else "\n")
     return 0
 
 
@@ -276,7 +298,7 @@ def cmd_calibrate_asd(args: argparse.Namespace) -> int:
     rows = load_prompt_set(args.prompts)
     model = jspec.load_model(args.model)
     drafter = jspec.load_drafter(args.drafter, target=model)
-    from jspec.decode import bucket_length  # noqa: PLC0415
+    from jspec.state import bucket_length  # noqa: PLC0415
 
     recorder = jspec.ASD(budget=0.0, record=True)  # strict greedy, recording r/v
     enc = [model.encode(r["text"]) for r in rows]
@@ -315,6 +337,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "bench":
             return cmd_bench(args)
+        if args.command == "plot":
+            from jspec.plot import main as plot_main  # noqa: PLC0415 (matplotlib)
+
+            return plot_main(args)
         if args.command == "calibrate-asd":
             return cmd_calibrate_asd(args)
         if args.command == "calibrate-length":

@@ -36,14 +36,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jspec.errors import JspecError
 
 __all__ = ["DATA", "MODEL", "PARAM_AXES", "RULES", "STATE_AXES", "Axes", "auto_mesh", "constrain",
            "head_dim_of", "logical_spec", "make_mesh", "named", "param_specs", "params_sharding",
-           "parse_mesh", "per_device_bytes", "place", "replicated", "resolve_mesh", "shard_drafter",
-           "shard_kernel", "shard_map", "shard_model", "state_sharding", "state_specs", "using"]
+           "parse_mesh", "per_device_bytes", "place", "place_rows", "process_rows", "replicated",
+           "resolve_mesh", "shard_drafter", "shard_kernel", "shard_map", "shard_model",
+           "state_sharding", "state_specs", "to_host", "using"]
 
 DATA = "data"  # mesh axis for batch rows (data parallelism)
 MODEL = "model"  # mesh axis for heads / MLP / vocabulary (tensor parallelism)
@@ -311,6 +313,63 @@ def place(tree: Any, shardings: Any) -> Any:
 def constrain(tree: Any, shardings: Any) -> Any:
     """`with_sharding_constraint` on every array of `tree` (inside `jit`)."""
     return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
+
+
+def process_rows(mesh: Mesh, batch: int) -> np.ndarray:
+    """The rows of a `batch`-row array (rows over `data` by the rules table) that this process's
+    devices hold: what this process must supply to `place_rows`.
+
+    Args:
+      mesh: the mesh (it may span several processes).
+      batch: the global number of rows.
+    Returns:
+      i64[n] sorted row indices (all rows when `batch` is replicated over `data`; `batch / D *
+      local data positions` rows on a data axis of size D that divides it).
+    """
+    s = NamedSharding(mesh, logical_spec(("batch",), (batch,), mesh))
+    rows: set[int] = set()
+    for idx in s.addressable_devices_indices_map((batch,)).values():
+        rows.update(range(*idx[0].indices(batch)))
+    return np.asarray(sorted(rows), np.int64)
+
+
+def place_rows(tree: Any, mesh: Mesh, batch: int) -> Any:
+    """Global arrays of `batch` rows from this process's rows only (`process_rows`).
+
+    Each process passes the rows its own devices hold, in `process_rows` order; the arrays are
+    laid out as `state_sharding` lays out a full batch (rows over `data`), assembled with
+    `jax.make_array_from_process_local_data`. No process needs the whole batch.
+
+    Args:
+      tree: arrays [len(process_rows(mesh, batch)), ...] (host or device).
+      mesh: the mesh.
+      batch: the global number of rows.
+    Returns:
+      the same pytree of global jax.Arrays [batch, ...].
+    """
+    n = len(process_rows(mesh, batch))
+    full = jax.tree.map(lambda x: jax.ShapeDtypeStruct((batch, *np.shape(x)[1:]), x.dtype), tree)
+    bad = [np.shape(x) for x in jax.tree.leaves(tree) if not np.shape(x) or np.shape(x)[0] != n]
+    if bad:
+        raise JspecError(f"place_rows: this process holds {n} of {batch} rows; got arrays of "
+                         f"shapes {bad}")
+    return jax.tree.map(lambda x, s, f: jax.make_array_from_process_local_data(
+        s, np.asarray(x), f.shape), tree, state_sharding(full, mesh, batch=batch), full)
+
+
+def to_host(tree: Any) -> Any:
+    """NumPy copies of every array of `tree`, also of global arrays spanning other processes.
+
+    On one process this is `jax.device_get`. An array with shards on other processes is
+    gathered with `multihost_utils.process_allgather` — a collective: every process must call
+    `to_host` on the same arrays, in the same order.
+    """
+    def one(x: Any) -> Any:
+        if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+            return jax.device_get(x)
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(one, tree)
 
 
 def head_dim_of(obj: Any) -> int | None:

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jspec import sharding
+from jspec import launch, sharding
 from jspec.drafters import dflash, eagle3
 from jspec.drafters.trained import (
     FROZEN,
@@ -44,6 +44,7 @@ from jspec.drafters.trained import (
     verify_head,
 )
 from jspec.errors import JspecError
+from jspec.plot import plot_training
 from train.datagen import load_shard
 
 
@@ -56,6 +57,18 @@ def finish_checkpoints(mngr: Any, steps: int, state: dict[str, Any]) -> None:
     if steps > 0 and mngr.latest_step() != steps:
         mngr.save(steps, args=ocp.args.StandardSave(state), force=True)
         mngr.wait_until_finished()
+
+
+def plot_log(log: Path) -> Path | None:
+    """training.png (loss, held-out τ) next to the run's log.jsonl, when matplotlib is
+    installed (the `plot` extra); None otherwise."""
+    try:
+        path = plot_training(log, log.with_name("training.png"))
+    except JspecError as e:  # no matplotlib, or an empty log
+        print(f"no training plot: {e}", flush=True)
+        return None
+    print(f"wrote {path}", flush=True)
+    return path
 
 
 def data_layers(data: str) -> tuple[int, ...]:
@@ -141,6 +154,13 @@ def coverage(rows: Rows, vocab: np.ndarray) -> float:
     return hit / max(tot, 1)
 
 
+def window(n: int, plen: int, seq: int) -> tuple[int, int]:
+    """(first kept token, prompt length kept) of an n-token row with a plen-token prompt in a
+    seq-token batch: rows longer than seq keep their last seq tokens."""
+    off = max(0, n - seq)
+    return off, max(1, plen - off)
+
+
 def make_batch(rows: Rows, idx: list[int], seq: int, feat_idx: list[int]) -> dict[str, np.ndarray]:
     """Right-padded [B, seq] batch; rows longer than seq keep their last seq tokens."""
     b = len(idx)
@@ -151,8 +171,8 @@ def make_batch(rows: Rows, idx: list[int], seq: int, feat_idx: list[int]) -> dic
            "final": np.zeros((b, seq, d), np.float16)}
     for i, r in enumerate(idx):
         t, f, p = rows.tokens[r], rows.feats[r], rows.plens[r]
-        off = max(0, len(t) - seq)
-        t, f, p = t[off:], f[off:], max(1, p - off)
+        off, p = window(len(t), p, seq)
+        t, f = t[off:], f[off:]
         n = len(t)
         out["tokens"][i, :n] = t
         out["feats"][i, :n] = f[:, feat_idx]
@@ -363,21 +383,49 @@ def drafter_config(args: argparse.Namespace, target_config: Any,
         vat=bool(args.vat or args.vat_head))
 
 
+def plan_entry(args: argparse.Namespace, plan: list, step: int) -> tuple[int, int, int, list[int]]:
+    """(epoch, index in the epoch, sequence bucket, row indices) of batch `step`: each epoch
+    visits the plan in a permutation drawn from (seed, epoch)."""
+    epoch, i = divmod(step, len(plan))
+    seq, idx = plan[np.random.default_rng([args.seed, epoch]).permutation(len(plan))[i]]
+    return epoch, i, seq, idx
+
+
 def batch_for_step(args: argparse.Namespace, rows: Rows, plan: list, step: int,
-                   feat_idx: list[int], cfg: DrafterConfig) -> dict[str, np.ndarray]:
-    """Batch `step` of the run: a pure function of (seed, step) (resumable, deterministic)."""
-    n_b = len(plan)
-    epoch, i = divmod(step, n_b)
-    perm = np.random.default_rng([args.seed, epoch]).permutation(n_b)
-    seq, idx = plan[perm[i]]
-    b = make_batch(rows, idx, seq, feat_idx)
+                   feat_idx: list[int], cfg: DrafterConfig, part: np.ndarray | None = None
+                   ) -> dict[str, np.ndarray]:
+    """Batch `step` of the run: a pure function of (seed, step) (resumable, deterministic).
+
+    `part` (row indices into the batch, e.g. `sharding.process_rows`): build only those rows —
+    the same rows as in the whole batch (positions are drawn for every row from the lengths,
+    then cut), without assembling the others' tokens and features.
+    """
+    epoch, i, seq, idx = plan_entry(args, plan, step)
+    kept = [window(len(rows.tokens[r]), rows.plens[r], seq) for r in idx]
+    lens = np.asarray([min(len(rows.tokens[r]), seq) for r in idx], np.int32)
+    plens = np.asarray([p for _, p in kept], np.int32)
     rng = np.random.default_rng([args.seed, epoch, i, 1])
     if cfg.kind == "eagle3":  # chain starts s >= plen - 2 (step 1 predicts s + 2 >= plen)
-        pos, valid = sample_positions(rng, b["lens"], b["plens"], args.positions, -2, 3)
+        pos, valid = sample_positions(rng, lens, plens, args.positions, -2, 3)
     else:  # anchors a >= plen (the first generated token) with a + 1 < len
-        pos, valid = sample_positions(rng, b["lens"], b["plens"], args.anchors, 0, 2)
-    b["pos"], b["valid"] = pos, valid
+        pos, valid = sample_positions(rng, lens, plens, args.anchors, 0, 2)
+    part = np.arange(len(idx)) if part is None else np.asarray(part)
+    b = make_batch(rows, [idx[j] for j in part], seq, feat_idx)
+    b["pos"], b["valid"] = pos[part], valid[part]
     return b
+
+
+def step_batch(args: argparse.Namespace, rows: Rows, plan: list, step: int, feat_idx: list[int],
+               cfg: DrafterConfig, mesh: Mesh | None) -> dict[str, jax.Array]:
+    """Batch `step` on the devices. On a mesh spanning several processes each process builds
+    only the rows its own devices hold and the global batch is assembled from those parts
+    (`sharding.place_rows`); otherwise the whole batch is placed."""
+    if mesh is None or jax.process_count() == 1:
+        return _to_device(mesh, batch_for_step(args, rows, plan, step, feat_idx, cfg))
+    size = len(plan_entry(args, plan, step)[3])
+    part = sharding.process_rows(mesh, size)
+    return sharding.place_rows(batch_for_step(args, rows, plan, step, feat_idx, cfg, part), mesh,
+                               size)
 
 
 def evaluate(args, rows, plan, feat_idx, cfg, params, frozen, mesh=None) -> dict[str, float]:
@@ -407,15 +455,18 @@ def run(args: argparse.Namespace) -> int:
 
     if args.vat:
         args.vat_head = args.vat_weight = True
-    if args.distributed:  # one process per host; coordinator and ranks from the environment
-        jax.distributed.initialize()
+    # One process per host: under `python -m jspec.launch` the rendezvous is in the environment;
+    # --distributed also lets jax.distributed find it on a cluster (Cloud TPU, SLURM).
+    launch.initialize(fallback=args.distributed)
     try:
         mesh = sharding.parse_mesh(args.mesh) if args.mesh else None
     except JspecError as e:
         raise SystemExit(f"error: {e}") from e
     writer = jax.process_index() == 0  # multi-host: one process writes the log and the file
+    say = print if writer else (lambda *a, **k: None)  # the others print nothing either
     out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    if writer:  # the others write nothing but their own checkpoint shards (Orbax makes ckpt/)
+        out.mkdir(parents=True, exist_ok=True)
     target = load_model(args.model)
     recorded = data_layers(args.data)
     cfg = drafter_config(args, target.config, recorded)
@@ -424,16 +475,19 @@ def run(args: argparse.Namespace) -> int:
     try:
         held = load_rows(args.data, heldout=True, sets=args.sets)
     except SystemExit:
-        print("warning: no held-out shards (`python -m train datagen --split heldout`): "
+        say("warning: no held-out shards (`python -m train datagen --split heldout`): "
               "no held-out evaluation", flush=True)
         held = Rows([], [], [])
         args.eval_every = 0
     vocab_path = out / "vocab.npy"
     if vocab_path.exists():
         vocab = np.load(vocab_path)
-    else:
+    else:  # every process computes the same vocabulary; process 0 writes it, atomically
         vocab = draft_vocab(rows, args.draft_vocab, target.eos_ids)
-        np.save(vocab_path, vocab)
+        if writer:
+            tmp = out / f".vocab-{os.getpid()}.npy"
+            np.save(tmp, vocab)
+            os.replace(tmp, vocab_path)
     to_draft = np.full((target.config.vocab_size,), -1, np.int32)
     to_draft[vocab] = np.arange(len(vocab), dtype=np.int32)
     embed = target.weights.embed.astype(jnp.float32)
@@ -443,7 +497,7 @@ def run(args: argparse.Namespace) -> int:
     held_plan = (batches_for(held, tuple(args.seq_buckets), args.batch_tokens)[: args.eval_batches]
                  if len(held) else [])
     resp = sum(len(t) - p for t, p in zip(rows.tokens, rows.plens, strict=True))
-    print(f"train {cfg.kind}: {len(rows)} sequences ({resp} response tokens), {len(plan)} "
+    say(f"train {cfg.kind}: {len(rows)} sequences ({resp} response tokens), {len(plan)} "
           f"batches/epoch; held-out {len(held)} sequences; draft vocab {len(vocab)} covers "
           f"{coverage(rows, vocab):.1%} of training / {coverage(held, vocab):.1%} of held-out "
           "response tokens", flush=True)
@@ -465,7 +519,7 @@ def run(args: argparse.Namespace) -> int:
     opt_state = tx.init(params)
     if mesh is not None:  # before a restore, which then fills the placed layout
         params, opt_state, frozen = shard_for_training(mesh, cfg, params, opt_state, frozen)
-        print(f"mesh {dict(mesh.shape)}: batch rows over data, heads / MLP / vocabulary over "
+        say(f"mesh {dict(mesh.shape)}: batch rows over data, heads / MLP / vocabulary over "
               "model", flush=True)
     mngr = ocp.CheckpointManager(out / "ckpt", options=ocp.CheckpointManagerOptions(
         max_to_keep=2, save_interval_steps=args.ckpt_every))
@@ -475,18 +529,19 @@ def run(args: argparse.Namespace) -> int:
         abstract = {"params": params, "opt_state": opt_state}
         restored = mngr.restore(step, args=ocp.args.StandardRestore(abstract))
         params, opt_state = restored["params"], restored["opt_state"]
-        print(f"resumed from the checkpoint at step {step}", flush=True)
+        say(f"resumed from the checkpoint at step {step}", flush=True)
     log = open(out / "log.jsonl" if writer else os.devnull, "a")  # noqa: SIM115 (closed at the end)
     statics = dict(kind=cfg.kind, cfg=cfg, tx=tx, vat_head=args.vat_head,
                    vat_weight=args.vat_weight, mesh=mesh)
-    bar = tqdm(range(step, args.steps), initial=step, total=args.steps, unit="step",
-               dynamic_ncols=True)
+    # --stop-after: end at that step with a checkpoint (the schedule is still the --steps run's).
+    end = max(step, min(args.steps, args.stop_after)) if args.stop_after else args.steps
+    bar = tqdm(range(step, end), initial=step, total=args.steps, unit="step",
+               dynamic_ncols=True, disable=not writer)
     t0 = time.perf_counter()
     ema: dict[str, float] = {}
     for step in bar:
-        batch = batch_for_step(args, rows, plan, step, feat_idx, cfg)
-        params, opt_state, m = train_step(params, opt_state, frozen, _to_device(mesh, batch),
-                                          **statics)
+        batch = step_batch(args, rows, plan, step, feat_idx, cfg, mesh)
+        params, opt_state, m = train_step(params, opt_state, frozen, batch, **statics)
         m = {k: float(v) for k, v in m.items()}
         for k, v in m.items():
             ema[k] = v if k not in ema else 0.9 * ema[k] + 0.1 * v
@@ -497,17 +552,22 @@ def run(args: argparse.Namespace) -> int:
         if args.eval_every and (done % args.eval_every == 0 or done == args.steps):
             ev = evaluate(args, held, held_plan, feat_idx, cfg, params, frozen, mesh)
             rec.update({f"heldout_{k}": v for k, v in ev.items()})
-            bar.write(f"step {done}: held-out tau_sim {ev['tau_sim']:.3f} acc1 {ev['acc1']:.3f}")
+            if writer:
+                bar.write(f"step {done}: held-out tau_sim {ev['tau_sim']:.3f} acc1 {ev['acc1']:.3f}")
         log.write(json.dumps(rec) + "\n")
         log.flush()
         mngr.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
     log.close()
-    finish_checkpoints(mngr, args.steps, {"params": params, "opt_state": opt_state})
+    if writer:
+        plot_log(out / "log.jsonl")
+    finish_checkpoints(mngr, end, {"params": params, "opt_state": opt_state})
+    if end < args.steps:
+        say(f"stopped after step {end} of {args.steps} (checkpointed; run again without "
+            "--stop-after to go on)", flush=True)
+        return 0
     final = out / f"{args.name or cfg.kind}.safetensors"
     if jax.process_count() > 1:  # shards on other hosts: gather the full arrays everywhere
-        from jax.experimental import multihost_utils  # noqa: PLC0415
-
-        params = multihost_utils.process_allgather(params, tiled=True)
+        params = sharding.to_host(params)
     if not writer:
         return 0
     save_drafter(final, cfg, {**params, **stats}, vocab, dtype="float32" if args.f32 else "bfloat16")
@@ -557,6 +617,9 @@ def add_parsers(sub: Any) -> None:
         p.add_argument("--vat-weight", action="store_true",
                        help="VAT adaptive position weighting only")
         p.add_argument("--ckpt-every", type=int, default=25, help="Orbax checkpoint interval")
+        p.add_argument("--stop-after", type=int, default=0,
+                       help="stop after this many steps with a checkpoint, as if interrupted "
+                            "(the learning-rate schedule stays that of --steps; rerun to go on)")
         p.add_argument("--eval-every", type=int, default=50,
                        help="held-out simulated τ every N steps and at the end (0: never)")
         p.add_argument("--eval-batches", type=int, default=8, help="held-out batches per eval")
