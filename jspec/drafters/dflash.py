@@ -4,8 +4,8 @@ Target features from layers spread over the network are concatenated, projected 
 into a context sequence whose keys/values (each drafter layer's own k/v projections, RoPE at the
 context position) are prepended to every drafter layer's attention. The input block is
 [anchor, MASK x (γ-1)] at positions a..a+γ-1, attending bidirectionally inside the block and to
-the context before a; one forward pass proposes γ-1 tokens. Confidences are the drafter's softmax
-probabilities of its chosen tokens (exposed in the state for LibraSpec / D²SD).
+the context before a; one forward pass proposes γ-1 tokens. Confidences are each slot's maximum
+softmax probability, fixed before its token is drawn (exposed in the state for LibraSpec / D²SD).
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ class DFlashState:
     ck: tuple[jax.Array, ...]  # per layer f32[B, C, KV, hd]: context keys, slot = position
     cv: tuple[jax.Array, ...]
     pending: Pending
-    conf: jax.Array  # f32[B, K] confidences (chosen token's probability) of the last proposal
+    conf: jax.Array  # f32[B, K] confidences (each slot's max probability) of the last proposal
     vhat: jax.Array  # f32[B, K] verification-head probabilities
     last_c: jax.Array  # f32[B, D] projected context feature at position cache_len - 1
     hidden: jax.Array  # f32[B, K, D] hidden states that produced the last proposal (DIVERSED)
