@@ -13,8 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec import bench_batch
 from jspec.errors import JspecError
 from jspec.provenance import provenance
+from jspec.tables import print_table
 
 AR_FLOAT32 = "autoregressive float32"  # the float32 baseline row of a --dtype bfloat16 run
 BENCH_PROMPT = ("Write a Python function that checks whether a string is a palindrome, "
@@ -100,14 +102,6 @@ def _tree_depth(parents: np.ndarray) -> np.ndarray:
     return depth
 
 
-def _print_table(title: str, header: list[str], rows: list[list[Any]]) -> None:
-    print(f"\n{title}")
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
-    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=False)))
-    for r in rows:
-        print("  ".join(str(x).ljust(w) for x, w in zip(r, widths, strict=False)))
-
-
 def baseline(args: argparse.Namespace) -> dict[str, Any]:
     import jspec  # noqa: PLC0415
     from jspec import peer  # noqa: PLC0415
@@ -146,7 +140,7 @@ def baseline(args: argparse.Namespace) -> dict[str, Any]:
             e2e = r["tokens_per_s"] if key.startswith("hf") else r["end_to_end_tokens_per_s"]
             res[key]["decode_rate"] = decode
             rows.append([engine, dt, f"{decode:.1f}", f"{e2e:.1f}"])
-    _print_table(f"Autoregressive greedy decoding, batch 1, {len(prompt)}-token prompt, "
+    print_table(f"Autoregressive greedy decoding, batch 1, {len(prompt)}-token prompt, "
                  f"{args.new_tokens} new tokens (median of {args.repeats})",
                  ["engine", "dtype", "decode tokens/s", "end-to-end tokens/s"], rows)
     hf_best = max((res[k]["decode_rate"] for k in ("hf_f32", "hf_bf16") if k in res), default=None)
@@ -162,7 +156,7 @@ def baseline(args: argparse.Namespace) -> dict[str, Any]:
     if "hf_c" in res:
         crow.append(["HF", *[f"{res['hf_c']['ratio'][k]:.2f}" for k in ks]])
         crow.append(["HF ms", *[f"{1000 * res['hf_c']['seconds'][k]:.1f}" for k in ks]])
-    _print_table(f"Verification cost c(K) = t(K)/t(1), cache fill {args.fill} (float32 unless "
+    print_table(f"Verification cost c(K) = t(K)/t(1), cache fill {args.fill} (float32 unless "
                  "marked)",
                  ["", *[f"K={k}" for k in ks]], crow)
     return res
@@ -328,7 +322,7 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
                          "speedup": tps / ar0})
         table.append(["0", label, "-", "-", "-", "-", f"{tps:.1f}", f"{tps / ar0:.2f}x",
                       f"{tps / ar_best[0.0]:.2f}x", "-", "-", "-", "-", "-", "-", "-"])
-    _print_table(f"Speculative decoding on {args.prompts} ({len(enc)} prompts, batch 1, "
+    print_table(f"Speculative decoding on {args.prompts} ({len(enc)} prompts, batch 1, "
                  f"target {args.dtype}, "
                  f"{args.new_tokens} new tokens, median of {args.repeats} sweeps); "
                  f"rho_8 = t(8)/t(1) = {cost['c'][8]:.2f}"
@@ -417,9 +411,11 @@ def _hf_speculative_rows(args: argparse.Namespace, model: Any, enc: list[list[in
 def main(args: argparse.Namespace) -> int:
     from jspec.errors import JspecError  # noqa: PLC0415
 
-    if not args.baseline and not args.drafters:
-        raise JspecError("nothing to measure: pass --baseline and/or --drafters")
+    if not args.baseline and not args.drafters and not args.batch_sizes:
+        raise JspecError("nothing to measure: pass --baseline, --drafters and/or --batch-sizes")
     res: dict[str, Any] = {}
+    if args.batch_sizes:
+        res["batched"] = bench_batch.run(args)
     if args.baseline:
         res["baseline"] = baseline(args)
     if args.drafters:

@@ -160,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompts", default="humaneval:8",
                    help="prompt set and range, e.g. humaneval:8 or humaneval:100-164")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.add_argument("--batch-sizes", default="",
+                   help="comma-separated batch sizes, e.g. 1,4,16,64: batched greedy generation "
+                        "of the same prompts (--prompts, default alpaca:0-64) in batches of each "
+                        "size, jspec float32/bfloat16 next to HF transformers (when torch is "
+                        "installed), with jspec's planned peak memory")
     b.add_argument("--json-out", type=Path, help="also write the results as JSON to this file")
     b.add_argument("--plot", type=Path, metavar="OUT.png",
                    help="also draw the results (acceptance by position, speedup and tau "

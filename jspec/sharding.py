@@ -86,8 +86,8 @@ _FLATTENED_HEADS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv")  # dims of size he
 # Decode state and training batches, by leaf name. Other arrays whose leading dimension is the
 # batch are ("batch", None, ...); everything else (PRNG key, scalars) is replicated.
 STATE_AXES: dict[str, Axes] = {
-    "k": ("batch", "seq", "kv_heads", "head_dim"),  # KVCache buffers [B, S, KV, hd]
-    "v": ("batch", "seq", "kv_heads", "head_dim"),
+    "k": ("batch", "kv_heads", "seq", "head_dim"),  # KVCache buffers [B, KV, S, hd]
+    "v": ("batch", "kv_heads", "seq", "head_dim"),
     "ck": ("batch", "seq", "kv_heads", "head_dim"),  # trained drafters' own K/V [B, C, KV, hd]
     "cv": ("batch", "seq", "kv_heads", "head_dim"),
 }
@@ -437,7 +437,7 @@ def shard_map(fn: Callable[..., Any], mesh: Mesh, in_axes: Any, out_axes: Any,
     """`jax.shard_map` of `fn` with specs from logical axes (how Pallas calls are wrapped).
 
     A kernel sees its per-device block: e.g. attention with q `("batch", None, "heads", None)`
-    and k/v `("batch", "seq", "kv_heads", "head_dim")` runs on its rows and heads only, with no
+    and caches `("batch", "kv_heads", "seq", "head_dim")` run on its rows and heads only, with no
     collective. Unlike placement, a logical axis here always maps to its mesh axis (shard_map
     needs divisible shapes; the caller checks, e.g. with `logical_spec`).
 

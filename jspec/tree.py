@@ -90,8 +90,8 @@ def compact_path(cache: KVCache, start: jax.Array, path: jax.Array) -> KVCache:
     rows = jnp.arange(b)[:, None]
     src = start[:, None] + path[:, 1:]  # [B, D]
     dst = start[:, None] + jnp.arange(1, d1, dtype=jnp.int32)[None]
-    ks = tuple(c.at[rows, dst].set(c[rows, src], mode="drop") for c in cache.k)
-    vs = tuple(c.at[rows, dst].set(c[rows, src], mode="drop") for c in cache.v)
+    ks = tuple(c.at[rows, :, dst].set(c[rows, :, src], mode="drop") for c in cache.k)
+    vs = tuple(c.at[rows, :, dst].set(c[rows, :, src], mode="drop") for c in cache.v)
     return dataclasses.replace(cache, k=ks, v=vs)
 
 

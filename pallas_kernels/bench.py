@@ -104,6 +104,7 @@ def bench_attention(cfg: dict[str, Any], interpret: bool, repeats: int) -> dict[
     for i, n in enumerate(lengths):
         kc[i, n:] = np.nan  # junk beyond each row's length must never be read
         vc[i, n:] = np.nan
+    kc, vc = kc.swapaxes(1, 2), vc.swapaxes(1, 2)  # the cache layout [B, KV, S, hd]
     args = (jnp.asarray(rng.standard_normal((b, t, h, hd)), dt), jnp.asarray(kc, dt),
             jnp.asarray(vc, dt), jnp.asarray(lengths),
             jnp.asarray(rng.standard_normal((b, t, kv, hd)), dt),
@@ -150,8 +151,8 @@ def sweep_attention_gpu(repeats: int) -> list[dict[str, Any]]:
         b, t, h, kv, hd, s = cfg["b"], cfg["t"], cfg["h"], cfg["kv"], cfg["hd"], cfg["s"]
         dt = jnp.dtype(cfg["dtype"])
         args = (jnp.asarray(rng.standard_normal((b, t, h, hd)), dt),
-                jnp.asarray(rng.standard_normal((b, s, kv, hd)), dt),
-                jnp.asarray(rng.standard_normal((b, s, kv, hd)), dt),
+                jnp.asarray(rng.standard_normal((b, kv, s, hd)), dt),
+                jnp.asarray(rng.standard_normal((b, kv, s, hd)), dt),
                 jnp.full((b,), cfg["prefix"], jnp.int32),
                 jnp.asarray(rng.standard_normal((b, t, kv, hd)), dt),
                 jnp.asarray(rng.standard_normal((b, t, kv, hd)), dt),

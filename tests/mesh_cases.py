@@ -177,7 +177,7 @@ def test_layouts_follow_the_rules_table():
     assert shard(lw.attn_norm) == (32,)
     cache = KVCache.create(model.config, 8, 64)
     placed = sharding.place(cache, sharding.state_sharding(cache, mesh, batch=8))
-    assert shard(placed.k[0]) == (4, 64, 2, 8) and shard(placed.lengths) == (4,)
+    assert shard(placed.k[0]) == (4, 2, 64, 8) and shard(placed.lengths) == (4,)
     # The decode state carried by the while_loop keeps that layout (checked on stream's state).
     ids, lengths = pad_prompts(PROMPTS)
     steps = list(jspec.decode.stream(model, ids, lengths, max_new_tokens=4, mesh=mesh,

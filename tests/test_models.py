@@ -191,8 +191,8 @@ def test_forward_matches_numpy_reference(name):
         _close(out.logits[b], ref)
     # the new K/V land in slots 0..N-1; forward never advances the lengths
     assert np.all(np.asarray(out.cache.lengths) == 0)
-    assert np.any(np.stack(out.cache.k)[:, :, N - 1] != 0)
-    assert np.all(np.stack(out.cache.k)[:, :, N:] == 0)
+    assert np.any(np.stack(out.cache.k)[:, :, :, N - 1] != 0)  # [L, B, KV, S, hd]
+    assert np.all(np.stack(out.cache.k)[:, :, :, N:] == 0)
 
 
 @pytest.mark.parametrize("name", ["llama_tied_gqa2", "llama_mqa_scaled", "qwen3_qknorm"])
@@ -458,7 +458,7 @@ def test_eval_shape_smollm2_135m():
     out = jax.eval_shape(lambda w, x, p, c: forward(cfg, w, x, p, c, hidden_layers=(0, 15, 30)),
                          weights, tokens, positions, cache)
     assert out.logits.shape == (b, t, 49152) and out.logits.dtype == jnp.float32
-    assert len(out.cache.k) == 30 and out.cache.k[0].shape == (b, s, 3, 64)
+    assert len(out.cache.k) == 30 and out.cache.k[0].shape == (b, 3, s, 64)
     assert out.cache.lengths.shape == (b,)
     assert out.hidden.shape == (3, b, t, 576)
     assert out.final_hidden.shape == (b, t, 576)

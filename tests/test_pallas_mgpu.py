@@ -59,7 +59,7 @@ def test_tree_attention_lowers_for_cuda(cfg):
     b, t, h, kv, hd, s = cfg["b"], cfg["t"], cfg["h"], cfg["kv"], cfg["hd"], cfg["s"]
     dt = jnp.dtype(cfg["dtype"])
     sd = jax.ShapeDtypeStruct
-    args = (sd((b, t, h, hd), dt), sd((b, s, kv, hd), dt), sd((b, s, kv, hd), dt),
+    args = (sd((b, t, h, hd), dt), sd((b, kv, s, hd), dt), sd((b, kv, s, hd), dt),
             sd((b,), jnp.int32), sd((b, t, kv, hd), dt), sd((b, t, kv, hd), dt),
             sd((b, t), jnp.int32))
     bk = pick_block_kv_gpu(s, hd)

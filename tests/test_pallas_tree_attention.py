@@ -43,6 +43,7 @@ def _inputs(b, t, h, kv, hd, s, dtype, lengths, seed=0):
         vc[i, n:] = np.nan
     kn = rng.standard_normal((b, t, kv, hd))
     vn = rng.standard_normal((b, t, kv, hd))
+    kc, vc = kc.swapaxes(1, 2), vc.swapaxes(1, 2)  # the cache layout [B, KV, S, hd]
     return [jnp.asarray(a, dtype) for a in (q, kc, vc)] + [jnp.asarray(lengths, jnp.int32)] + \
         [jnp.asarray(a, dtype) for a in (kn, vn)]
 
@@ -50,6 +51,7 @@ def _inputs(b, t, h, kv, hd, s, dtype, lengths, seed=0):
 def _brute_force(q, kc, vc, lengths, kn, vn, parents):
     """Per node, per head: softmax over the visible keys, in float64."""
     q, kc, vc, kn, vn = (np.asarray(a, np.float64) for a in (q, kc, vc, kn, vn))
+    kc, vc = kc.swapaxes(1, 2), vc.swapaxes(1, 2)  # [B, S, KV, hd] below
     b, t, h, hd = q.shape
     kv = kc.shape[2]
     par = np.broadcast_to(np.arange(t) - 1 if parents is None else np.asarray(parents), (b, t))
@@ -139,7 +141,7 @@ def test_kernel_differs_when_a_visible_key_changes():
     """The comparison can fail: perturbing one committed key changes the output."""
     args = _inputs(1, 3, 2, 1, 8, 16, jnp.float32, [6], seed=2)
     base = np.asarray(tree_attention(*args, block_kv=8))
-    args[1] = args[1].at[0, 5].add(3.0)  # the last committed slot
+    args[1] = args[1].at[0, :, 5].add(3.0)  # the last committed slot ([B, KV, S, hd])
     assert np.abs(np.asarray(tree_attention(*args, block_kv=8)) - base).max() > 1e-3
 
 
@@ -253,7 +255,7 @@ def test_pallas_forward_ignores_junk_beyond_the_committed_prefix():
     t = 3
     toks = jnp.asarray([[5, 6, 7], [8, 9, 10]], jnp.int32)
     pos = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-    slot = jnp.arange(cache.capacity)[None, :, None, None]
+    slot = jnp.arange(cache.capacity)[None, None, :, None]  # caches [B, KV, S, hd]
     junk = slot >= cache.lengths[:, None, None, None]
     dirty = dataclasses.replace(cache, k=tuple(jnp.where(junk, jnp.nan, a) for a in cache.k),
                                 v=tuple(jnp.where(junk, jnp.nan, a) for a in cache.v))

@@ -80,7 +80,7 @@ def test_param_and_state_specs_by_leaf_name():
     cache = jax.eval_shape(lambda: jspec.KVCache.create(cfg, 8, 64))
     cs = sharding.state_specs({"cache": cache, "seq": jnp.zeros((8, 5)), "key": jnp.zeros(()),
                                "other": jnp.zeros((3, 8))}, _amesh(2, 4), batch=8)
-    assert cs["cache"].k[0] == P("data", None, "model") and cs["cache"].lengths == P("data")
+    assert cs["cache"].k[0] == P("data", "model") and cs["cache"].lengths == P("data")
     assert (cs["seq"], cs["key"], cs["other"]) == (P("data"), P(), P())
 
 
@@ -165,8 +165,8 @@ def test_llama3_8b_with_dflash_and_4k_cache_fits_16gib_per_device_on_1x8():
     assert per_dev["decode state"] < whole["decode state"] / 8 * 1.05  # rows are not split on 1x8
     assert per_dev["drafter"] < whole["drafter"] / 8 + 0.32 * GiB
     kv = state.cache.k[0]
-    assert sharding.state_specs(state, mesh, batch=b).cache.k[0] == P(None, None, "model")
-    assert kv.shape == (b, capacity, 8, 128)
+    assert sharding.state_specs(state, mesh, batch=b).cache.k[0] == P(None, "model")
+    assert kv.shape == (b, 8, capacity, 128)
 
 
 # ----------------------------------------------------------------------------- 8 fake devices

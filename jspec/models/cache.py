@@ -19,13 +19,13 @@ class KVCache:
     forward pass may write (drafted tokens under verification) and a later commit may keep.
     """
 
-    k: tuple[jax.Array, ...]  # L x dtype[B, S, KV, hd]
-    v: tuple[jax.Array, ...]  # L x dtype[B, S, KV, hd]
+    k: tuple[jax.Array, ...]  # L x dtype[B, KV, S, hd] (head-major: see `create`)
+    v: tuple[jax.Array, ...]  # L x dtype[B, KV, S, hd]
     lengths: jax.Array  # i32[B] committed slots per row
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[2]
 
     @property
     def batch(self) -> int:
@@ -34,9 +34,16 @@ class KVCache:
     @classmethod
     def create(cls, config: ModelConfig, batch: int, capacity: int,
                num_layers: int | None = None) -> KVCache:
-        """An empty cache: i32 lengths of zero, zeroed buffers of `capacity` slots."""
+        """An empty cache: i32 lengths of zero, zeroed buffers of `capacity` slots.
+
+        Head-major [B, KV, S, hd]: each (row, KV head) is one contiguous [S, hd] matrix, so the
+        score and value products of attention are plain batched GEMMs over the buffer as it
+        lies (with [B, S, KV, hd], XLA:CPU transposes the whole buffer in every layer of every
+        step: at batch 64 and 256 slots attention took 2.9x longer; docs/BENCHMARKS.md), and a
+        Pallas tile of one head's slots is one contiguous block.
+        """
         layers = config.num_layers if num_layers is None else num_layers
-        shape = (batch, capacity, config.num_kv_heads, config.head_dim)
+        shape = (batch, config.num_kv_heads, capacity, config.head_dim)
         return cls(k=tuple(jnp.zeros(shape, config.jnp_dtype) for _ in range(layers)),
                    v=tuple(jnp.zeros(shape, config.jnp_dtype) for _ in range(layers)),
                    lengths=jnp.zeros((batch,), jnp.int32))

@@ -105,11 +105,20 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (xf * weight.astype(jnp.float32)).astype(x.dtype)
 
 
+def rope_angles(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) f32[B, T, 1, hd/2] of positions i32[B, T]: computed once per forward and
+    shared by every layer."""
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
+    return jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+
+
 def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """Rotate-half RoPE. x: [B, T, N, hd]; positions: i32[B, T]; inv_freq: f32[hd/2]."""
-    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
-    cos = jnp.cos(ang)[:, :, None, :]
-    sin = jnp.sin(ang)[:, :, None, :]
+    return apply_rope(x, *rope_angles(positions, inv_freq))
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE of x [B, T, N, hd] by angles from `rope_angles`."""
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -167,18 +176,20 @@ def _attention_xla(q: jax.Array, ck: jax.Array, cv: jax.Array, mask: jax.Array,
                    group: int) -> jax.Array:
     """dtype[B, T, H, hd]: masked attention of q [B, T, H, hd] over the whole cache buffer.
 
-    mask: bool[B, T, S] from `attention_mask`.
+    ck, cv: dtype[B, KV, S, hd] (head-major), the new tokens already written; mask: bool[B,
+    T, S] from `attention_mask`. The T·G queries of each KV head form one [T·G, hd] matrix, so
+    both products are batched GEMMs over (row, KV head) that read the cache as it lies.
     """
     b, t, h, hd = q.shape
-    kv = ck.shape[2]
-    qg = q.reshape(b, t, kv, group, hd)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, ck, preferred_element_type=jnp.float32)
+    kv = ck.shape[1]
+    qg = jnp.moveaxis(q.reshape(b, t, kv, group, hd), 1, 2).reshape(b, kv, t * group, hd)
+    scores = jnp.einsum("bkqd,bksd->bkqs", qg, ck, preferred_element_type=jnp.float32)
     scores = scores * (1.0 / np.sqrt(hd))
-    scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
+    scores = jnp.where(jnp.repeat(mask, group, axis=1)[:, None], scores, MASK_VALUE)  # t*G+g
     probs = jax.nn.softmax(scores, axis=-1)
-    attn = jnp.einsum("bkgts,bskd->btkgd", probs.astype(cv.dtype), cv,
+    attn = jnp.einsum("bkqs,bksd->bkqd", probs.astype(cv.dtype), cv,
                       preferred_element_type=jnp.float32).astype(q.dtype)
-    return attn.reshape(b, t, h, hd)
+    return jnp.moveaxis(attn.reshape(b, kv, t, group, hd), 2, 1).reshape(b, t, h, hd)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,8 +202,32 @@ class _Attend:
     parents: jax.Array | None  # i32[T] | i32[B, T] | None (chain) (Pallas path)
 
 
-def _layer(config: ModelConfig, inv_freq: jax.Array, x: jax.Array, positions: jax.Array,
-           attend: _Attend, write_slots: jax.Array, ck: jax.Array, cv: jax.Array,
+def write_slots(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """dtype[B, KV, S, hd]: `buf` with new[b, t] written at slot start[b] + t (slots past S
+    dropped).
+
+    new: [B, T, KV, hd]; start: i32[B]. A scatter, except for a 16-bit buffer on CPU: XLA:CPU
+    scatters a carried float32 cache in place but copies a bfloat16 one in every layer of every
+    step (30 layers of a [64, 3, 256, 64] cache: 54 ms a step), while a select over the whole
+    buffer fuses into one in-place pass (9 ms; docs/BENCHMARKS.md). For float32 the scatter is
+    the faster (4.9 vs 5.7 ms, and the select's fusion recomputes RoPE per slot).
+    """
+    t = new.shape[1]
+    if buf.dtype.itemsize >= 4 or jax.default_backend() != "cpu":
+        slots = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+        rows = jnp.arange(buf.shape[0], dtype=jnp.int32)[:, None]
+        # Indices (rows, :, slots): the indexed dims come first, so the update is [B, T, KV, hd].
+        return buf.at[rows, :, slots].set(new.astype(buf.dtype), mode="drop")
+    rel = jnp.arange(buf.shape[2], dtype=jnp.int32)[None, :] - start[:, None]  # [B, S]
+    hit = (rel >= 0) & (rel < t)
+    src = jnp.swapaxes(new, 1, 2).astype(buf.dtype)  # [B, KV, T, hd]
+    if t > 1:
+        src = jnp.take_along_axis(src, jnp.clip(rel, 0, t - 1)[:, None, :, None], axis=2)
+    return jnp.where(hit[:, None, :, None], src, buf)
+
+
+def _layer(config: ModelConfig, rot: tuple[jax.Array, jax.Array], x: jax.Array,
+           attend: _Attend, ck: jax.Array, cv: jax.Array,
            lw: LayerWeights) -> tuple[jax.Array, jax.Array, jax.Array]:
     b, t, _ = x.shape
     h, kv, hd = config.num_heads, config.num_kv_heads, config.head_dim
@@ -209,29 +244,32 @@ def _layer(config: ModelConfig, inv_freq: jax.Array, x: jax.Array, positions: ja
     if config.qk_norm:
         q = rms_norm(q, lw.q_norm, config.rms_eps)
         k = rms_norm(k, lw.k_norm, config.rms_eps)
-    q = rope(q, positions, inv_freq)
-    k = rope(k, positions, inv_freq)
-
-    # Write this layer's new keys/values into its cache buffer (in place), then attend over it.
-    rows = jnp.arange(b, dtype=jnp.int32)[:, None]  # [B, 1]
-    ck = ck.at[rows, write_slots].set(k, mode="drop")  # [B, S, KV, hd]
-    cv = cv.at[rows, write_slots].set(v, mode="drop")
+    q = apply_rope(q, *rot)
+    k = apply_rope(k, *rot)
 
     if attend.use_pallas:
         from jspec.sharding import shard_kernel  # noqa: PLC0415
         from pallas_kernels.tree_attention import tree_attention  # noqa: PLC0415
 
-        # Cascade form: the committed prefix (slots < lengths, unchanged by the write above)
-        # is read from the cache, the T new tokens from k/v directly. Under a mesh the kernel
-        # runs per device (shard_map) with specs from the logical-axis rules table.
+        # Cascade form: the committed prefix is read from the cache, the T new tokens from
+        # k/v directly (the new K/V are written after). Under a mesh the kernel runs per
+        # device (shard_map) with specs from the logical-axis rules table.
         parents = (jnp.arange(t, dtype=jnp.int32) - 1 if attend.parents is None
                    else jnp.asarray(attend.parents, jnp.int32))
         parents = jnp.broadcast_to(parents, (b, t))
         qa, kva = ("batch", None, "heads", None), ("batch", None, "kv_heads", None)
+        cache_a = ("batch", "kv_heads", None, None)
         attn = shard_kernel(tree_attention,
-                            (qa, kva, kva, ("batch",), kva, kva, ("batch", None)), qa)(
+                            (qa, cache_a, cache_a, ("batch",), kva, kva, ("batch", None)), qa)(
             q, ck, cv, attend.lengths, k.astype(ck.dtype), v.astype(cv.dtype), parents)
+        ck = write_slots(ck, k, attend.lengths)  # [B, KV, S, hd]
+        cv = write_slots(cv, v, attend.lengths)
     else:
+        # The new K/V are written first and attention reads the written buffer: reading the
+        # unwritten one instead (prefix + new tokens apart) measured 1.3-1.4x slower at batch
+        # 16-64 on XLA:CPU (a copy of every cache buffer per step).
+        ck = write_slots(ck, k, attend.lengths)  # [B, KV, S, hd]
+        cv = write_slots(cv, v, attend.lengths)
         attn = _attention_xla(q, ck, cv, attend.mask, g)
     x = x + _dot(attn.reshape(b, t, h * hd), lw.wo)
 
@@ -283,7 +321,7 @@ def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions:
     """
     t = tokens.shape[1]
     n_layers = config.num_layers if num_layers is None else num_layers
-    inv_freq = jnp.asarray(config.inv_freq())
+    rot = rope_angles(positions, jnp.asarray(config.inv_freq()))
     x = jnp.take(weights.embed, tokens, axis=0).astype(config.jnp_dtype)  # [B, T, D]
     use_pallas = config.resolved_attention_impl() == "pallas" and t <= PALLAS_MAX_NEW_TOKENS
     if use_pallas and config.attention_impl == "auto" and jax.default_backend() == "gpu":
@@ -297,7 +335,6 @@ def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions:
         mask=None if use_pallas else attention_mask(cache.lengths, t, cache.capacity, mask),
         lengths=cache.lengths,
         parents=jnp.asarray(mask.parents, jnp.int32) if isinstance(mask, Tree) else None)
-    write_slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
     want = tuple(sorted(set(hidden_layers)))
     for i in want:
         if not 0 <= i <= n_layers:
@@ -310,8 +347,7 @@ def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions:
     new_k, new_v = list(cache.k), list(cache.v)
     for i, lw in enumerate(weights.layers[:n_layers]):
         with jax.named_scope(f"layer_{i}"):
-            x, new_k[i], new_v[i] = _layer(config, inv_freq, x, positions, attend, write_slots,
-                                           new_k[i], new_v[i], lw)
+            x, new_k[i], new_v[i] = _layer(config, rot, x, attend, new_k[i], new_v[i], lw)
         if want:
             states.append(x)
     hidden = jnp.stack([states[i] for i in want]) if want else None

@@ -127,10 +127,10 @@ def _check_inputs(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths:
                   allow_f16: bool = False) -> None:
     """Trace-time validation of shapes and dtypes (values are dynamic and not checked)."""
     if q.ndim != 4 or k_cache.ndim != 4 or k_new.ndim != 4:
-        raise ValueError(f"expected q [B, T, H, hd], caches [B, S, KV, hd], new K/V [B, T, KV, hd]; "
+        raise ValueError(f"expected q [B, T, H, hd], caches [B, KV, S, hd], new K/V [B, T, KV, hd]; "
                          f"got q {q.shape}, k_cache {k_cache.shape}, k_new {k_new.shape}")
     b, t, h, hd = q.shape
-    _, s, kv, hd_k = k_cache.shape
+    _, kv, s, hd_k = k_cache.shape
     if k_cache.shape != v_cache.shape or k_cache.shape[0] != b or hd_k != hd:
         raise ValueError(f"k_cache {k_cache.shape} / v_cache {v_cache.shape} do not match q {q.shape}")
     if k_new.shape != (b, t, kv, hd) or v_new.shape != k_new.shape:
@@ -163,8 +163,8 @@ def _parents_2d(parents: jax.Array | None, batch: int, num_nodes: int) -> jax.Ar
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "interpret"))
 def tree_attention(
     q: jax.Array,  # dtype[B, T, H, hd]
-    k_cache: jax.Array,  # dtype[B, S, KV, hd]
-    v_cache: jax.Array,  # dtype[B, S, KV, hd]
+    k_cache: jax.Array,  # dtype[B, KV, S, hd]
+    v_cache: jax.Array,  # dtype[B, KV, S, hd]
     lengths: jax.Array,  # i32[B]
     k_new: jax.Array,  # dtype[B, T, KV, hd]
     v_new: jax.Array,  # dtype[B, T, KV, hd]
@@ -200,7 +200,7 @@ def tree_attention(
     on_gpu = not interpret and jax.default_backend() == "gpu"
     _check_inputs(q, k_cache, v_cache, lengths, k_new, v_new, parents, allow_f16=on_gpu)
     b, t, h, hd = q.shape
-    s, kv = k_cache.shape[1], k_cache.shape[2]
+    kv, s = k_cache.shape[1], k_cache.shape[2]
     g = h // kv
     scale = (1.0 / math.sqrt(hd)) if sm_scale is None else float(sm_scale)
     if on_gpu:
@@ -212,10 +212,8 @@ def tree_attention(
         raise ValueError(f"block_kv ({bk}) must divide the cache capacity S ({s})")
     nk = s // bk
 
-    # Free reshapes put each KV head's head_dim slab on the lane axis: a (tile, hd) block of
-    # [B, S, KV*hd] is one head's keys, with no transpose of the cache.
-    kc = k_cache.reshape(b, s, kv * hd)
-    vc = v_cache.reshape(b, s, kv * hd)
+    # The cache is head-major: a (tile, hd) block of [B, KV, S, hd] is one head's keys, read
+    # contiguously (head_dim, the full last dimension, on the lane axis).
     kn = k_new.reshape(b, t, kv * hd)
     vn = v_new.reshape(b, t, kv * hd)
     # Queries are small (T nodes): regroup them as [B, KV, T*G, hd], row r = t*G + g.
@@ -226,7 +224,7 @@ def tree_attention(
     def kv_map(bi, hi, ji, lengths_ref):
         # Past the row's last valid tile, repeat it: the pipeline then skips the copy.
         last = jnp.maximum(pl.cdiv(lengths_ref[bi], bk) - 1, 0)
-        return bi, jnp.minimum(ji, last), hi
+        return bi, hi, jnp.minimum(ji, last), 0
 
     sq = pl.squeezed
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -234,8 +232,8 @@ def tree_attention(
         grid=(b, kv, nk),
         in_specs=[
             pl.BlockSpec((sq, sq, t * g, hd), lambda bi, hi, ji, _: (bi, hi, 0, 0)),
-            pl.BlockSpec((sq, bk, hd), kv_map),
-            pl.BlockSpec((sq, bk, hd), kv_map),
+            pl.BlockSpec((sq, sq, bk, hd), kv_map),
+            pl.BlockSpec((sq, sq, bk, hd), kv_map),
             pl.BlockSpec((sq, t, hd), lambda bi, hi, ji, _: (bi, 0, hi)),
             pl.BlockSpec((sq, t, hd), lambda bi, hi, ji, _: (bi, 0, hi)),
             pl.BlockSpec((sq, t, 1), lambda bi, hi, ji, _: (bi, 0, 0)),
@@ -255,15 +253,15 @@ def tree_attention(
             dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name="tree_attention",
-    )(lengths, qg, kc, vc, kn, vn, par)
+    )(lengths, qg, k_cache, v_cache, kn, vn, par)
     return out.reshape(b, kv, t, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, h, hd)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "interpret"))
 def tree_attention_reference(
     q: jax.Array,  # dtype[B, T, H, hd]
-    k_cache: jax.Array,  # dtype[B, S, KV, hd]
-    v_cache: jax.Array,  # dtype[B, S, KV, hd]
+    k_cache: jax.Array,  # dtype[B, KV, S, hd]
+    v_cache: jax.Array,  # dtype[B, KV, S, hd]
     lengths: jax.Array,  # i32[B]
     k_new: jax.Array,  # dtype[B, T, KV, hd]
     v_new: jax.Array,  # dtype[B, T, KV, hd]
@@ -281,7 +279,7 @@ def tree_attention_reference(
     del block_kv, interpret
     _check_inputs(q, k_cache, v_cache, lengths, k_new, v_new, parents, allow_f16=True)
     b, t, h, hd = q.shape
-    s, kv = k_cache.shape[1], k_cache.shape[2]
+    kv, s = k_cache.shape[1], k_cache.shape[2]
     g = h // kv
     scale = (1.0 / math.sqrt(hd)) if sm_scale is None else float(sm_scale)
     par = _parents_2d(parents, b, t)
@@ -293,13 +291,13 @@ def tree_attention_reference(
                                 anc.astype(jnp.float32)) > 0.5)
     in_prefix = jnp.arange(s)[None, :] < lengths[:, None]  # [B, S]
     qg = q.reshape(b, t, kv, g, hd)
-    s_pre = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
+    s_pre = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
     s_new = jnp.einsum("btkgd,bukd->bkgtu", qg, k_new, preferred_element_type=jnp.float32)
     s_pre = jnp.where(in_prefix[:, None, None, None, :], s_pre * scale, MASK_VALUE)
     s_new = jnp.where(anc[:, None, None, :, :], s_new * scale, MASK_VALUE)
     probs = jax.nn.softmax(jnp.concatenate([s_pre, s_new], axis=-1), axis=-1)
-    vc = jnp.where(in_prefix[:, :, None, None], v_cache, jnp.zeros_like(v_cache))
-    vals = jnp.concatenate([vc, v_new], axis=1)  # [B, S + T, KV, hd]
+    vc = jnp.where(in_prefix[:, None, :, None], v_cache, jnp.zeros_like(v_cache))
+    vals = jnp.concatenate([jnp.swapaxes(vc, 1, 2), v_new], axis=1)  # [B, S + T, KV, hd]
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(vals.dtype), vals,
                      preferred_element_type=jnp.float32)
     return out.reshape(b, t, h, hd).astype(q.dtype)

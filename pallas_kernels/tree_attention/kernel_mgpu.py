@@ -106,8 +106,8 @@ def default_splits(ctas: int, num_tiles: int, target_ctas: int = 132) -> int:
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_splits"))
 def tree_attention_mgpu(
     q: jax.Array,  # bf16|f16[B, T, H, hd]
-    k_cache: jax.Array,  # [B, S, KV, hd]
-    v_cache: jax.Array,  # [B, S, KV, hd]
+    k_cache: jax.Array,  # [B, KV, S, hd]
+    v_cache: jax.Array,  # [B, KV, S, hd]
     lengths: jax.Array,  # i32[B]
     k_new: jax.Array,  # [B, T, KV, hd]
     v_new: jax.Array,  # [B, T, KV, hd]
@@ -124,7 +124,7 @@ def tree_attention_mgpu(
     writing its f32 partial output and log-sum-exp, merged in jnp. Default `default_splits`.
     """
     b, t, h, hd = q.shape
-    s, kv = k_cache.shape[1], k_cache.shape[2]
+    kv, s = k_cache.shape[1], k_cache.shape[2]
     g = h // kv
     check_mgpu_inputs(q, block_kv, s)
     dt = q.dtype
@@ -173,7 +173,7 @@ def tree_attention_mgpu(
         end = jnp.minimum(first + per, ntiles)  # this split's tiles: [first, end)
 
         def fetch(j, slot):
-            src = (bi, pl.ds(j * bk, bk), hi_)
+            src = (bi, hi_, pl.ds(j * bk, bk))  # a contiguous (bk, hd) tile
             plgpu.copy_gmem_to_smem(kc_gmem.at[src], k_smem.at[slot], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(vc_gmem.at[src], v_smem.at[slot], v_bar.at[slot])
 
