@@ -418,7 +418,7 @@ def main(args: argparse.Namespace) -> int:
         res["batched"] = bench_batch.run(args)
     if args.baseline:
         res["baseline"] = baseline(args)
-    if args.drafters:
+    if args.drafters and not args.batch_sizes:  # with --batch-sizes: the batched table's rows
         res["speculative"] = speculative(args)
     res["provenance"] = provenance(dtype=getattr(args, "dtype", None))
     if args.json_out:

@@ -22,8 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import decode, peer
+from jspec.drafters.loading import load_drafter
 from jspec.errors import JspecError
 from jspec.inputs import pad_to_bucket
+from jspec.length import FixedLength
 from jspec.models import registry
 from jspec.models.model import load_model
 from jspec.prompts import load_prompt_set
@@ -46,9 +48,12 @@ def _right_padded(rows: list[list[int]], pad: int) -> tuple[np.ndarray, np.ndarr
 
 
 def jspec_batched(model: Any, enc: list[list[int]], batch: int, new_tokens: int,
-                  repeats: int, drafter: Any = None) -> dict[str, Any]:
-    """Greedy tokens/s of `jspec.generate` over `enc` in batches of `batch` (EOS ignored)."""
-    model = dataclasses.replace(model, config=model.config.replace(eos_ids=()))
+                  repeats: int, drafter: Any = None, length: Any = None,
+                  ignore_eos: bool = True) -> dict[str, Any]:
+    """Greedy tokens/s of `jspec.generate` over `enc` in batches of `batch` (EOS ignored by
+    default, so every row decodes `new_tokens`)."""
+    if ignore_eos:
+        model = dataclasses.replace(model, config=model.config.replace(eos_ids=()))
     batches = [_right_padded(c, model.pad_id) for c in _chunks(enc, batch)]
     taus = []
 
@@ -56,7 +61,7 @@ def jspec_batched(model: Any, enc: list[list[int]], batch: int, new_tokens: int,
         n = 0
         for ids, lens in batches:
             out = decode.generate(model, jnp.asarray(ids), jnp.asarray(lens), drafter=drafter,
-                                 max_new_tokens=new_tokens)
+                                  length=length, max_new_tokens=new_tokens)
             lengths = np.asarray(out.lengths)  # waits for the device
             n += int(lengths.sum())
             if drafter is not None:
@@ -69,7 +74,8 @@ def jspec_batched(model: Any, enc: list[list[int]], batch: int, new_tokens: int,
         if shape not in seen:
             seen.add(shape)
             np.asarray(decode.generate(model, jnp.asarray(ids), jnp.asarray(lens),
-                                       drafter=drafter, max_new_tokens=new_tokens).lengths)
+                                       drafter=drafter, length=length,
+                                       max_new_tokens=new_tokens).lengths)
     taus.clear()
     times, n = [], 0
     for _ in range(repeats):
@@ -79,17 +85,17 @@ def jspec_batched(model: Any, enc: list[list[int]], batch: int, new_tokens: int,
     sec = statistics.median(times)
     ids, lens = batches[0]
     res = {"tokens_per_s": n / sec, "seconds": sec, "seconds_all": times, "new_tokens": n,
-           "peak_bytes": compiled_peak_bytes(model, ids, lens, new_tokens, drafter)}
+           "peak_bytes": compiled_peak_bytes(model, ids, lens, new_tokens, drafter, length)}
     if drafter is not None:
         res["tau"] = statistics.median(taus)
     return res
 
 
 def compiled_peak_bytes(model: Any, ids: np.ndarray, lens: np.ndarray, new_tokens: int,
-                        drafter: Any = None) -> int | None:
+                        drafter: Any = None, length: Any = None) -> int | None:
     """Bytes XLA plans for one `generate` of this batch (None where the backend does not say)."""
     ids_b = pad_to_bucket(jnp.asarray(ids))
-    statics = decode._statics(model, ids_b, drafter, Sampling(), new_tokens, None, None,
+    statics = decode._statics(model, ids_b, drafter, Sampling(), new_tokens, None, length,
                               None)
     verifier = statics.pop("verifier")
     m = decode._generate.lower(model.weights, drafter, verifier, ids_b, jnp.asarray(lens),
@@ -124,7 +130,7 @@ def hf_batched(hf_dir: str, enc: list[list[int]], batch: int, new_tokens: int, d
         return n
 
     with torch.inference_mode():
-        model.generate(*batches[0], **kw)  # warm-up
+        model.generate(batches[0][0], attention_mask=batches[0][1], **kw)  # warm-up
         times, n = [], 0
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -161,9 +167,11 @@ def run(args: Any) -> dict[str, Any]:
                 r = hf_batched(hf_dir, enc, b, args.new_tokens, dt, args.repeats, base.pad_id)
                 res["rows"].append({"engine": "hf", "dtype": dt, "batch": b, **r})
                 print(f"HF {dt} batch {b}: {r['tokens_per_s']:.1f} tok/s", flush=True)
+    spec_rows = _speculative_rows(args, base, enc, sizes, res)
     rows = []
     for b in sizes:
-        got = {(r["engine"], r["dtype"]): r for r in res["rows"] if r["batch"] == b}
+        got = {(r["engine"], r["dtype"]): r for r in res["rows"]
+               if r["batch"] == b and "drafter" not in r and r.get("ignore_eos", True)}
         cells = [b]
         for eng in ("jspec", "hf"):
             for dt in dtypes:
@@ -180,4 +188,44 @@ def run(args: Any) -> dict[str, Any]:
     print_table(f"Batched greedy generation, tokens/s ({len(enc)} prompts of {spec}, "
                  f"{args.new_tokens} new tokens each, prefill included, median of "
                  f"{args.repeats})", header, rows)
+    if spec_rows:
+        print_table(f"Speculative decoding at batch B ({args.dtype} target, greedy, lossless, "
+                    "EOS ends a row; speedup over autoregressive decoding at the same batch, "
+                    "dtype and prompts)",
+                    ["batch", "drafter", "K", "tokens/s", "tau", "vs AR"], spec_rows)
     return res
+
+
+def _speculative_rows(args: Any, base: Any, enc: list[list[int]], sizes: list[int],
+                      res: dict[str, Any]) -> list[list[Any]]:
+    """--drafters with --batch-sizes: each drafter (name@K, first K) at every batch size,
+    against autoregressive decoding of the same target, batch and prompts. Here EOS ends a row
+    (after it a drafter would be asked to predict what the target writes past its answer):
+    greedy output is identical, so both decode the same tokens."""
+    specs = [x for x in args.drafters.split(",") if x]
+    if not specs:
+        return []
+    model = base.astype(args.dtype)
+    out = []
+    ar = {}
+    for b in sizes:
+        r = jspec_batched(model, enc, b, args.new_tokens, args.repeats, ignore_eos=False)
+        res["rows"].append({"engine": "jspec", "dtype": args.dtype, "batch": b,
+                            "ignore_eos": False, **r})
+        ar[b] = r["tokens_per_s"]
+        print(f"jspec {args.dtype} batch {b} (EOS ends rows): {ar[b]:.1f} tok/s", flush=True)
+        out.append([b, "none (autoregressive)", 0, f"{ar[b]:.1f}", "1.00", "1.00x"])
+    for spec in specs:
+        name, _, ks = spec.partition("@")
+        k = int(ks.split("/")[0]) if ks else int(args.ks.split(",")[0])
+        drafter = load_drafter(name, target=model)
+        for b in sizes:
+            r = jspec_batched(model, enc, b, args.new_tokens, args.repeats, drafter=drafter,
+                              length=FixedLength(k), ignore_eos=False)
+            res["rows"].append({"engine": "jspec", "dtype": args.dtype, "batch": b,
+                                "drafter": name, "k": k, "ignore_eos": False, **r})
+            print(f"jspec {args.dtype} batch {b} {name} K={k}: {r['tokens_per_s']:.1f} tok/s "
+                  f"(tau {r['tau']:.2f})", flush=True)
+            out.append([b, name, k, f"{r['tokens_per_s']:.1f}", f"{r['tau']:.2f}",
+                        f"{r['tokens_per_s'] / ar[b]:.2f}x"])
+    return out

@@ -46,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompts-file", type=Path,
                      help="JSONL file, one object per line with a 'prompt' key")
+    g.add_argument("--batch-size", type=int, default=1,
+                   help="decode --prompts-file N prompts at a time (default 1: one by one, "
+                        "text streamed). Prompts are grouped by length, padded to width buckets "
+                        "(one compile per bucket), printed in input order; a bad line or a "
+                        "too-long prompt is named on stderr and skipped (exit status 1 after "
+                        "the others' output). --json 'seconds' is then the batch's wall time")
     g.add_argument("--max-new-tokens", type=int, default=128,
                    help="maximum new tokens per prompt (default 128)")
     g.add_argument("--raw", action="store_true",
@@ -164,7 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated batch sizes, e.g. 1,4,16,64: batched greedy generation "
                         "of the same prompts (--prompts, default alpaca:0-64) in batches of each "
                         "size, jspec float32/bfloat16 next to HF transformers (when torch is "
-                        "installed), with jspec's planned peak memory")
+                        "installed), with jspec's planned peak memory; --drafters then adds "
+                        "speculative rows at every batch size (name@K, --dtype target) instead "
+                        "of the batch-1 table")
     b.add_argument("--json-out", type=Path, help="also write the results as JSON to this file")
     b.add_argument("--plot", type=Path, metavar="OUT.png",
                    help="also draw the results (acceptance by position, speedup and tau "
@@ -180,11 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _read_prompts(args: argparse.Namespace) -> list[str]:
+def _read_prompts(args: argparse.Namespace, skip_bad: bool = False) -> list[tuple[str, str]]:
+    """(where, prompt) pairs. A bad line is an error, or with `skip_bad` named on stderr and
+    skipped."""
     if args.prompt is not None:
         if not args.prompt.strip():
             raise JspecError("the prompt is empty")
-        return [args.prompt]
+        return [("--prompt", args.prompt)]
     path: Path = args.prompts_file
     if not path.is_file():
         raise JspecError(f"prompts file not found: {path}")
@@ -192,17 +202,24 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
+        problem = None
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise JspecError(f"{path}:{n}: not valid JSON ({e.msg})") from e
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-            raise JspecError(f"{path}:{n}: expected an object with a string 'prompt' key")
-        if not obj["prompt"].strip():
-            raise JspecError(f"{path}:{n}: the prompt is empty")
-        prompts.append(obj["prompt"])
+            problem = f"{path}:{n}: not valid JSON ({e.msg})"
+        else:
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                problem = f"{path}:{n}: expected an object with a string 'prompt' key"
+            elif not obj["prompt"].strip():
+                problem = f"{path}:{n}: the prompt is empty"
+        if problem is None:
+            prompts.append((f"{path}:{n}", obj["prompt"]))
+        elif skip_bad:
+            print(f"skipped {problem}", file=sys.stderr)
+        else:
+            raise JspecError(problem)
     if not prompts:
-        raise JspecError(f"{path} holds no prompts")
+        raise JspecError(f"{path} holds no usable prompts")
     return prompts
 
 
@@ -222,7 +239,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise JspecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = jspec.Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     length = _length(args)
-    prompts = _read_prompts(args)
+    if args.batch_size < 1:
+        raise JspecError(f"--batch-size must be >= 1, got {args.batch_size}")
+    batched = args.batch_size > 1
+    prompts = _read_prompts(args, skip_bad=batched)
+    n_read = len(prompts)
     from jspec.verify import parse_verifier, with_acceptance_impl  # noqa: PLC0415
 
     mesh = jspec.sharding.parse_mesh(args.mesh) if args.mesh else None
@@ -239,7 +260,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec = dict(drafter=drafter, length=length, verifier=verifier if drafter else None, mesh=mesh)
     key = jax.random.key(args.seed)
     prov = provenance(dtype=args.dtype) if args.json else None  # machine, versions, command
-    for i, text in enumerate(prompts):
+    if batched:
+        return _generate_batched(args, model, prompts, spec, sampling, key, prov, show,
+                                 bad_lines=_count_lines(args) - n_read)
+    for i, (_, text) in enumerate(prompts):
         ids = model.encode(text, chat=not args.raw)
         t0 = time.perf_counter()
         if args.json:
@@ -273,6 +297,59 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     shown = stable
             if show:
                 sys.stdout.write("\n\n" if len(prompts) > 1 else "\n")
+    return 0
+
+
+def _count_lines(args: argparse.Namespace) -> int:
+    return sum(1 for x in args.prompts_file.read_text().splitlines() if x.strip()) \
+        if args.prompts_file else 1
+
+
+def _generate_batched(args: argparse.Namespace, model: Any, prompts: list[tuple[str, str]],
+                      spec: dict[str, Any], sampling: Any, key: Any, prov: Any, show: bool,
+                      bad_lines: int) -> int:
+    """--batch-size N: `jspec.batched.generate_batches`, one output per prompt in input order;
+    a prompt that cannot be decoded (too long for the context) is named and skipped. Exit
+    status 1 when anything was skipped, after every other prompt's output."""
+    from tqdm import tqdm  # noqa: PLC0415 (keep --help fast)
+
+    from jspec.batched import generate_batches  # noqa: PLC0415
+
+    limit = model.config.max_position
+    ok, enc = [], []
+    for where, text in prompts:
+        ids = model.encode(text, chat=not args.raw)
+        if len(ids) + args.max_new_tokens > limit:
+            print(f"skipped {where}: prompt ({len(ids)} tokens) + max_new_tokens "
+                  f"({args.max_new_tokens}) exceeds the model's context length {limit}",
+                  file=sys.stderr)
+            continue
+        ok.append(text)
+        enc.append(ids)
+    skipped = bad_lines + len(prompts) - len(ok)
+    if enc:
+        bar = tqdm(total=len(enc), unit="prompt", disable=not show, file=sys.stderr,
+                   dynamic_ncols=True)
+        for res in generate_batches(model, enc, args.batch_size,
+                                    max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                    key=key, **spec):
+            bar.update(1)
+            text = model.decode(res.tokens)
+            if not show:
+                continue
+            if args.json:
+                print(json.dumps({"prompt": ok[res.index], "text": text,
+                                  "token_ids": res.tokens, "new_tokens": len(res.tokens),
+                                  "rounds": res.rounds,
+                                  "mean_accepted": round(res.mean_accepted, 4),
+                                  "seconds": round(res.seconds, 3), "provenance": prov}),
+                      flush=True)
+            else:
+                print(text + "\n", flush=True)
+        bar.close()
+    if skipped:
+        print(f"{skipped} prompt(s) skipped (named above)", file=sys.stderr)
+        return 1
     return 0
 
 

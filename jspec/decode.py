@@ -16,7 +16,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jspec import sharding
+from jspec import memory, sharding
 from jspec.errors import JspecError
 from jspec.inputs import pad_to_bucket, validate_prompts
 from jspec.length import FixedLength, LibraSpec
@@ -160,7 +160,21 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
     with sharding.using(statics["mesh"]):
         weights, drafter, verifier, ids, lengths, key = _place_inputs(
             statics["mesh"], model, drafter, verifier, ids, lengths, key)
+        if statics["mesh"] is None and not isinstance(ids, jax.core.Tracer):
+            _check_memory(weights, drafter, verifier, ids, lengths, key, statics)
         return _generate(weights, drafter, verifier, ids, lengths, key, **statics)
+
+
+def _check_memory(weights: Weights, drafter: Any, verifier: Any, ids: jax.Array,
+                  lengths: jax.Array, key: jax.Array, statics: dict[str, Any]) -> None:
+    """A batch that cannot fit is a clear error before it runs (`jspec.memory`; one device)."""
+    b = ids.shape[0]
+    est = memory.estimate_bytes(statics["config"], b, statics["capacity"], statics["k"],
+                                ids.shape[1], drafter)
+    resident = sum(a.nbytes for a in jax.tree.leaves((weights, drafter, verifier))
+                   if hasattr(a, "nbytes"))
+    memory.check_fits(lambda: _generate.lower(weights, drafter, verifier, ids, lengths, key,
+                                              **statics), b, est, memory.free_bytes(), resident)
 
 
 def _place_inputs(mesh: Mesh | None, model: Model, drafter: Any, verifier: Any, ids: jax.Array,

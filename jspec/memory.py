@@ -1,0 +1,84 @@
+"""Will a `generate` fit? A cheap estimate first, XLA's own plan when it is close.
+
+`estimate_bytes` counts what grows with the batch: the target KV cache, the float32 logits and
+probabilities of a verify pass over k + 1 tokens (three [B, k+1, V] arrays live at once: the
+logits, p and the verifier's working copy), the drafter's draft distributions and its own
+caches, and the prefill's attention scores. `check_fits` compares it with the memory the
+device has free; only when the estimate passes half of it does it compile the program and read
+XLA's `memory_analysis` (exact for that program), and it raises a `JspecError` naming the need,
+what is free and the largest batch that would fit (the batch-dependent part scaled linearly).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import jax
+
+from jspec.errors import JspecError
+
+GiB = 2**30
+
+
+def free_bytes(device: Any = None) -> int | None:
+    """Memory the device can still allocate: `bytes_limit - bytes_in_use` where the backend
+    reports it (GPU/TPU), else the host's MemAvailable (CPU); None when unknown."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def estimate_bytes(config: Any, batch: int, capacity: int, k: int, prompt_width: int,
+                   drafter: Any = None) -> int:
+    """Bytes of the batch-dependent buffers of one `generate` (weights excluded)."""
+    item = jax.numpy.dtype(config.jnp_dtype).itemsize
+    cache = 2 * config.num_layers * batch * config.num_kv_heads * capacity * config.head_dim * item
+    logits = 3 * batch * (k + 1) * config.vocab_size * 4
+    scores = batch * config.num_heads * prompt_width * capacity * 4  # one prefill layer's
+    ints = batch * (2 * capacity) * 4
+    draft = 0
+    if drafter is not None:
+        draft = 2 * batch * max(k, 1) * config.vocab_size * 4  # q and its processed copy
+        dcfg = getattr(drafter, "cfg", None)
+        if dcfg is not None and hasattr(dcfg, "num_kv_heads"):
+            layers = getattr(dcfg, "num_layers", 1) or 1
+            draft += 2 * layers * batch * capacity * dcfg.num_kv_heads * dcfg.head_dim * 4
+    return int(cache + logits + scores + ints + draft)
+
+
+def check_fits(lower: Any, batch: int, estimate: int, free: int | None,
+               weights_bytes: int) -> None:
+    """Raise a clear error when the program for this batch would not fit in `free` bytes.
+
+    Args:
+      lower: a zero-argument function returning the `jax.stages.Lowered` program (called only
+        when the estimate passes half of `free`).
+      batch: its batch size; estimate: `estimate_bytes`; weights_bytes: already resident.
+    """
+    if free is None or estimate <= free // 2:
+        return
+    need = estimate
+    if os.environ.get("JSPEC_MEMORY_CHECK", "1") != "0":
+        m = lower().compile().memory_analysis()
+        if m is not None:
+            need = int(m.temp_size_in_bytes + m.output_size_in_bytes
+                       + max(m.argument_size_in_bytes - weights_bytes, 0)
+                       - m.alias_size_in_bytes)
+    if need <= free:
+        return
+    largest = max(0, math.floor(batch * free / need))
+    raise JspecError(f"batch {batch} needs ~{need / GiB:.1f} GiB beyond the weights and "
+                     f"{free / GiB:.1f} GiB is free: it would not fit. The largest batch that "
+                     f"would: about {largest} (or lower max_new_tokens / the speculation "
+                     "length). Set JSPEC_MEMORY_CHECK=0 to use the estimate alone.")
