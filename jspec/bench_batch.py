@@ -54,7 +54,7 @@ def jspec_batched(model: Any, enc: list[list[int]], batch: int, new_tokens: int,
     default, so every row decodes `new_tokens`)."""
     if ignore_eos:
         model = dataclasses.replace(model, config=model.config.replace(eos_ids=()))
-    batches = [_right_padded(c, model.pad_id) for c in _chunks(enc, batch)]
+    batches = [_right_padded(c, model.pad_id or 0) for c in _chunks(enc, batch)]  # lengths given
     taus = []
 
     def one_pass() -> int:
@@ -77,18 +77,23 @@ def jspec_batched(model: Any, enc: list[list[int]], batch: int, new_tokens: int,
                                        drafter=drafter, length=length,
                                        max_new_tokens=new_tokens).lengths)
     taus.clear()
-    times, n = [], 0
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        n = one_pass()
-        times.append(time.perf_counter() - t0)
-    sec = statistics.median(times)
+    sec, times, n = _timed_passes(one_pass, repeats)
     ids, lens = batches[0]
     res = {"tokens_per_s": n / sec, "seconds": sec, "seconds_all": times, "new_tokens": n,
            "peak_bytes": compiled_peak_bytes(model, ids, lens, new_tokens, drafter, length)}
     if drafter is not None:
         res["tau"] = statistics.median(taus)
     return res
+
+
+def _timed_passes(one_pass: Any, repeats: int) -> tuple[float, list[float], int]:
+    """(median seconds, every pass's seconds, tokens of the last pass) over `repeats` passes."""
+    times, n = [], 0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        n = one_pass()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times, n
 
 
 def compiled_peak_bytes(model: Any, ids: np.ndarray, lens: np.ndarray, new_tokens: int,
@@ -131,12 +136,7 @@ def hf_batched(hf_dir: str, enc: list[list[int]], batch: int, new_tokens: int, d
 
     with torch.inference_mode():
         model.generate(batches[0][0], attention_mask=batches[0][1], **kw)  # warm-up
-        times, n = [], 0
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            n = one_pass()
-            times.append(time.perf_counter() - t0)
-    sec = statistics.median(times)
+        sec, times, n = _timed_passes(one_pass, repeats)
     return {"tokens_per_s": n / sec, "seconds": sec, "seconds_all": times, "new_tokens": n}
 
 

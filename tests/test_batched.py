@@ -93,3 +93,24 @@ def test_real_cli_batch_size_skips_bad_lines(real_model, tmp_path, capsys):
     assert main(["generate", "--prompts-file", str(single), "--json",
                  "--max-new-tokens", "8"]) == 0
     assert json.loads(capsys.readouterr().out.strip())["token_ids"] == rows[0]["token_ids"]
+
+
+def test_bench_batched_rows_on_a_tiny_model():
+    """`bench --batch-sizes`' jspec measurement: every row decodes exactly new_tokens (EOS
+    ignored), speculative rows report tau, and the planned peak memory grows with the batch."""
+    from jspec import bench_batch
+
+    model = tiny_model()
+    prompts = _prompts(model.config.vocab_size)
+    r1 = bench_batch.jspec_batched(model, prompts, 1, 5, repeats=1)
+    r4 = bench_batch.jspec_batched(model, prompts, 4, 5, repeats=1)
+    assert r1["new_tokens"] == r4["new_tokens"] == 5 * len(prompts)
+    assert r1["tokens_per_s"] > 0 and r4["peak_bytes"] > r1["peak_bytes"] > 0
+    s = bench_batch.jspec_batched(model, prompts, 4, 5, repeats=1, drafter=NGram(),
+                                  length=jspec.FixedLength(2), ignore_eos=False)
+    assert s["tau"] >= 1.0 and 0 < s["new_tokens"] <= 5 * len(prompts)
+
+
+def test_bench_batch_sizes_bad_value_is_a_clear_error(capsys):
+    assert main(["bench", "--batch-sizes", "1,x"]) == 2
+    assert "--batch-sizes" in capsys.readouterr().err
