@@ -16,11 +16,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 from jspec import sharding
 from jspec.decode import generate
 from jspec.errors import JspecError
+from jspec.inputs import right_pad
 from jspec.models.model import Model
 from jspec.sampling import Sampling
 from jspec.state import bucket_length
@@ -60,13 +60,8 @@ def generate_batches(model: Model, prompts: Sequence[Sequence[int]], batch_size:
     done: dict[int, PromptResult] = {}
     nxt = 0
     for j, rows in enumerate(plan):
-        width = bucket_length(max(len(prompts[i]) for i in rows))
-        ids = np.full((batch_size, width), model.pad_id or 0, np.int32)  # lengths are given
-        lens = np.ones((batch_size,), np.int32)
-        for r in range(batch_size):
-            p = prompts[rows[r] if r < len(rows) else rows[0]]
-            ids[r, :len(p)] = p
-            lens[r] = len(p)
+        batch = [prompts[i] for i in rows]
+        ids, lens = right_pad(batch, bucket_length(max(map(len, batch))), batch_size)
         t0 = time.perf_counter()
         out = generate(model, ids, lens, drafter=drafter, max_new_tokens=max_new_tokens,
                        sampling=sampling, verifier=verifier, length=length,

@@ -24,7 +24,7 @@ import numpy as np
 from jspec import decode, peer
 from jspec.drafters.loading import load_drafter
 from jspec.errors import JspecError
-from jspec.inputs import pad_to_bucket
+from jspec.inputs import pad_to_bucket, right_pad
 from jspec.length import FixedLength
 from jspec.models import registry
 from jspec.models.model import load_model
@@ -39,14 +39,6 @@ def _chunks(enc: list[list[int]], b: int) -> list[list[list[int]]]:
     return [enc[i:i + b] for i in range(0, len(enc), b)]
 
 
-def _right_padded(rows: list[list[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:
-    width = max(len(r) for r in rows)
-    ids = np.full((len(rows), width), pad, np.int32)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = r
-    return ids, np.asarray([len(r) for r in rows], np.int32)
-
-
 def jspec_batched(model: Any, enc: list[list[int]], batch: int, new_tokens: int,
                   repeats: int, drafter: Any = None, length: Any = None,
                   ignore_eos: bool = True) -> dict[str, Any]:
@@ -54,7 +46,7 @@ def jspec_batched(model: Any, enc: list[list[int]], batch: int, new_tokens: int,
     default, so every row decodes `new_tokens`)."""
     if ignore_eos:
         model = dataclasses.replace(model, config=model.config.replace(eos_ids=()))
-    batches = [_right_padded(c, model.pad_id or 0) for c in _chunks(enc, batch)]  # lengths given
+    batches = [right_pad(c) for c in _chunks(enc, batch)]  # lengths are given: any pad
     taus = []
 
     def one_pass() -> int:

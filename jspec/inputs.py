@@ -194,3 +194,22 @@ def pad_to_bucket(ids: jax.Array) -> jax.Array:
     if width == p:
         return ids
     return jnp.pad(ids, ((0, 0), (0, width - p)))
+
+
+def right_pad(prompts: Any, width: int | None = None, rows: int | None = None,
+              pad: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(i32[rows, width] right-padded ids, i32[rows] lengths) from lists of token ids.
+
+    width: default the longest prompt; rows: default len(prompts), more rows repeat the first
+    prompt (a fixed batch shape for a short last batch).
+    """
+    width = width or max(len(p) for p in prompts)
+    rows = rows or len(prompts)
+    ids = np.full((rows, width), pad, np.int32)
+    lens = np.ones((rows,), np.int32)
+    for r in range(rows):
+        p = prompts[r] if r < len(prompts) else prompts[0]
+        ids[r, :len(p)] = p
+        lens[r] = len(p)
+    return ids, lens
+
