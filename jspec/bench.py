@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import bench_batch
+from jspec.cost import cost_curve, tree_cost
 from jspec.errors import JspecError
 from jspec.provenance import provenance
 from jspec.tables import print_table
@@ -59,47 +60,6 @@ def decode_tps(model: Any, prompt_ids: list[int], new_tokens: int, repeats: int,
     return {"tokens_per_s": decoded / max(t_full - t_pre, 1e-9),
             "end_to_end_tokens_per_s": full_tokens / t_full, "new_tokens": full_tokens,
             "seconds": t_full, "prefill_seconds": t_pre}
-
-
-def cost_curve(model: Any, ks: tuple[int, ...], fill: int, repeats: int,
-               parents_of: Any = None) -> dict[str, Any]:
-    """c(K) = t(forward of K new tokens) / t(forward of 1) with `fill` tokens already cached.
-
-    parents_of: optional `K -> i32[K]` tree parents (node 0 the root, parent -1): the K new
-    tokens then form that tree (`Tree` mask, positions fill + depth) instead of a chain.
-    """
-    from jspec.models.cache import KVCache  # noqa: PLC0415
-    from jspec.models.llama import Chain, Tree, forward  # noqa: PLC0415
-
-    cfg = model.config
-    cap = -(-(fill + max(ks) + 1) // 128) * 128
-
-    @jax.jit
-    def fwd(w, toks, pos, cache, parents):
-        out = forward(cfg, w, toks, pos, cache, mask=Chain() if parents is None else Tree(parents))
-        return out.logits, out.cache
-
-    times = {}
-    for k in ks:
-        cache = KVCache.create(cfg, 1, cap).with_lengths(jnp.array([fill], jnp.int32))
-        toks = jnp.zeros((1, k), jnp.int32) + 42
-        parents = None if parents_of is None else np.asarray(parents_of(k), np.int32)  # i32[K]
-        depth = np.arange(k) if parents is None else _tree_depth(parents)
-        pos = jnp.asarray(fill + depth, jnp.int32)[None]
-
-        def go(toks=toks, pos=pos, cache=cache, parents=parents):
-            jax.block_until_ready(fwd(model.weights, toks, pos, cache, parents))
-        times[k] = _median_time(go, repeats)
-    return {"ms": {k: 1000 * t for k, t in times.items()},
-            "c": {k: times[k] / times[ks[0]] for k in ks}, "fill": fill}
-
-
-def _tree_depth(parents: np.ndarray) -> np.ndarray:
-    """i32[T] depth of each node of a tree given by parents i32[T] (parents[t] < t, root -1)."""
-    depth = np.zeros(len(parents), np.int32)
-    for t, p in enumerate(parents):
-        depth[t] = 0 if p < 0 else depth[p] + 1
-    return depth
 
 
 def baseline(args: argparse.Namespace) -> dict[str, Any]:
@@ -271,12 +231,11 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
     if bar:
         bar.close()
     cost = cost_curve(model, (1, 8), args.fill, 5)
-    from jspec.tree import is_tree_drafter, verify_cost  # noqa: PLC0415
     ar_best = {t: max(statistics.median(results[(t, d, 0, "lossless")]["tps"])
                       for d in (None, AR_FLOAT32) if (t, d, 0, "lossless") in results)
                for t in temps}
-    tree_c = {f"{d}@{k}": verify_cost(model, loaded[d], k, args.fill)  # c of a D²SD tree forward
-              for d in drafters if is_tree_drafter(loaded[d]) for k in drafter_ks[d]}
+    tree_c = {f"{d}@{k}": tree_cost(model, loaded[d], k, args.fill)  # c of a tree forward
+              for d in drafters if loaded[d].caps.tree for k in drafter_ks[d]}
     hf_rows = _hf_speculative_rows(args, model, enc, drafters) if 0.0 in temps else []
     out_rows = []
     table = []
@@ -287,7 +246,7 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
         rounds, emitted, accepted, drafted, oracle, gap, tv_sum, tv_n, *acc = res["stats"]
         spec = dname not in (None, AR_FLOAT32)
         dynamic = isinstance(k, str) or (spec and vname == "lossless"
-                                         and not is_tree_drafter(loaded[dname]))
+                                         and not loaded[dname].caps.tree)
         row = {"temperature": temp, "drafter": dname or "autoregressive", "k": k,
                "verifier": vname, "dtype": "float32" if dname == AR_FLOAT32 else args.dtype,
                "tokens_per_s": tps, "speedup": tps / ar,

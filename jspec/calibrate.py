@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.cost import forward_times
 from jspec.errors import JspecError
 
 
@@ -67,8 +68,8 @@ def probe(model: Any, drafter: Any, prompts: list[list[int]], d_max: int, max_ne
 
     cfg = model.config
     greedy = jspec.Sampling()
-    policy = LibraSpec(n=min(drafter.block_tokens, d_max), d_max=d_max)
-    fl = tuple(drafter.feature_layers)
+    policy = LibraSpec(n=min(drafter.caps.block_tokens, d_max), d_max=d_max)
+    fl = drafter.caps.feature_layers
 
     @jax.jit
     def step(weights, drafter, state):
@@ -84,7 +85,8 @@ def probe(model: Any, drafter: Any, prompts: list[list[int]], d_max: int, max_ne
         out = forward(cfg, weights, inp, pos, state.cache, hidden_layers=fl)
         tgt = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
         o = leading_true(valid & (draft == tgt[:, :d_max]))
-        ds = drafter.observe(ds, features(out.hidden, drafter), state.cache.lengths, o + 1)
+        ds = drafter.observe(ds, features(out.hidden, drafter.caps.feature_norm), state.cache.lengths,
+                             o + 1)
         rows = jnp.arange(draft.shape[0])
         emitted = jnp.concatenate([draft, jnp.zeros_like(o)[:, None]], axis=1)
         emitted = emitted.at[rows, o].set(tgt[rows, o])
@@ -113,41 +115,13 @@ def probe(model: Any, drafter: Any, prompts: list[list[int]], d_max: int, max_ne
 
 
 def verify_times(model: Any, ks: list[int], fill: int, repeats: int) -> dict[int, float]:
-    """Seconds per target forward of K new tokens, cache filled to `fill`.
-
-    Interleaved (every K once per sweep, `repeats` sweeps, median per K) so that drift in a
-    shared machine's speed does not land on one K; then made non-decreasing in K (a running
-    maximum), since on XLA:CPU a few shapes measure faster than smaller ones and a cost model
-    that rewards verifying more would be fitting noise.
-    """
-    import statistics  # noqa: PLC0415
-
-    from jspec.models.cache import KVCache  # noqa: PLC0415
-    from jspec.models.llama import forward  # noqa: PLC0415
-
-    cfg = model.config
-    ks = sorted(set(ks))
-    cap = -(-(fill + max(ks) + 1) // 128) * 128
-
-    @jax.jit
-    def fwd(w, toks, pos, cache):
-        out = forward(cfg, w, toks, pos, cache)
-        return out.logits, out.cache
-
-    cache = KVCache.create(cfg, 1, cap).with_lengths(jnp.array([fill], jnp.int32))
-    inputs = {k: (jnp.zeros((1, k), jnp.int32) + 42,
-                  fill + jnp.arange(k, dtype=jnp.int32)[None]) for k in ks}
-    for k in ks:  # compile
-        jax.block_until_ready(fwd(model.weights, *inputs[k], cache))
-    times: dict[int, list[float]] = {k: [] for k in ks}
-    for _ in range(repeats):
-        for k in ks:
-            t0 = time.perf_counter()
-            jax.block_until_ready(fwd(model.weights, *inputs[k], cache))
-            times[k].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    """Seconds per target forward of K new tokens, cache filled to `fill` (`jspec.cost`,
+    interleaved), made non-decreasing in K (a running maximum), since on XLA:CPU a few shapes
+    measure faster than smaller ones and a cost model that rewards verifying more would be
+    fitting noise."""
+    med = forward_times(model, ks, fill, repeats)
     out, top = {}, 0.0
-    for k in ks:
+    for k in sorted(med):
         top = max(top, med[k])
         out[k] = top
     return out

@@ -17,17 +17,18 @@ import jax
 from jax.sharding import Mesh
 
 from jspec import memory, sharding
+from jspec.drafters.base import Drafter
 from jspec.errors import JspecError
 from jspec.inputs import pad_to_bucket, validate_prompts
 from jspec.length import FixedLength, LibraSpec
 from jspec.models.config import ModelConfig
 from jspec.models.llama import Weights
 from jspec.models.model import Model
-from jspec.rounds import init_state, make_round, run_rounds
+from jspec.rounds import LengthPolicy, init_state, make_round, run_rounds
 from jspec.sampling import Sampling
 from jspec.state import GenerateOutput, SpecState, cache_capacity
 from jspec.verify import Lossless
-from jspec.verify.base import check_verifier
+from jspec.verify.base import Verifier, check_verifier
 
 # The verifier is a pytree argument (a learned DIVERSED head's arrays are leaves); Lossless and
 # ASD are registered static pytrees, so their settings still key the compilation cache.
@@ -113,9 +114,11 @@ def _chunk_jit(weights: Weights, drafter: Any, verifier: Any, state: SpecState, 
 
 
 def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
-             attention_mask: Any = None, padding_side: str = "right", drafter: Any = None,
-             max_new_tokens: int = 128, sampling: Sampling = Sampling(), verifier: Any = None,
-             length: Any = None, key: jax.Array | None = None, capacity: int | None = None,
+             attention_mask: Any = None, padding_side: str = "right",
+             drafter: Drafter | None = None, max_new_tokens: int = 128,
+             sampling: Sampling = Sampling(), verifier: Verifier | None = None,
+             length: LengthPolicy | None = None, key: jax.Array | None = None,
+             capacity: int | None = None,
              attention_impl: str | None = None, mesh: Mesh | None = None
              ) -> GenerateOutput:
     """Generate up to `max_new_tokens` tokens per prompt; works inside a user's `jax.jit`.
@@ -197,6 +200,9 @@ def _statics(model: Model, ids: jax.Array, drafter: Any, sampling: Sampling, max
 
     k = 0
     if drafter is not None:
+        if not isinstance(drafter, Drafter):
+            raise JspecError(f"drafter must implement jspec.drafters.base.Drafter (caps, "
+                             f"init_state, draft, observe), got {type(drafter).__name__}")
         length = FixedLength() if length is None else length
         verifier = Lossless() if verifier is None else verifier
         if not isinstance(length, (FixedLength, LibraSpec)):
@@ -204,14 +210,14 @@ def _statics(model: Model, ids: jax.Array, drafter: Any, sampling: Sampling, max
                              f"{type(length).__name__}")
         if isinstance(length, LibraSpec):
             _check_libraspec(length, drafter)
+        caps = drafter.caps
         check_verifier(verifier, sampling, target_config=model.config, drafter=drafter,
-                       dynamic_length=isinstance(length, LibraSpec),
-                       tree=bool(getattr(drafter, "is_tree", False)))
+                       dynamic_length=isinstance(length, LibraSpec), tree=caps.tree)
         k = length.max_k
     elif verifier is not None or length is not None:
         raise JspecError("verifier= and length= need a drafter")
     # Slots a round writes beyond `last`: k, or a tree drafter's T - 1 nodes.
-    look = drafter.lookahead(k) if hasattr(drafter, "lookahead") else k
+    look = 0 if drafter is None else drafter.caps.lookahead(k)
     cap = capacity or cache_capacity(ids.shape[1], max_new_tokens, look)
     if cap < ids.shape[1] + max_new_tokens + look + 1:
         raise JspecError(f"prompt width {ids.shape[1]} + max_new_tokens {max_new_tokens} + a "
@@ -224,16 +230,18 @@ def _statics(model: Model, ids: jax.Array, drafter: Any, sampling: Sampling, max
 
 def _check_libraspec(policy: Any, drafter: Any) -> None:
 
-    if not (hasattr(drafter, "extend") and hasattr(drafter, "block_tokens")):
+    if drafter.caps.block_tokens <= 0 or drafter.caps.tree:
         raise JspecError(f"LibraSpec needs a block drafter with confidences that can draft more "
                          f"blocks (DFlash); {getattr(drafter, 'name', type(drafter).__name__)!r} "
                          "cannot")
 
 
 def stream(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
-           attention_mask: Any = None, padding_side: str = "right", drafter: Any = None,
-           max_new_tokens: int = 128, sampling: Sampling = Sampling(), verifier: Any = None,
-           length: Any = None, key: jax.Array | None = None, rounds_per_dispatch: int = 8,
+           attention_mask: Any = None, padding_side: str = "right",
+           drafter: Drafter | None = None, max_new_tokens: int = 128,
+           sampling: Sampling = Sampling(), verifier: Verifier | None = None,
+           length: LengthPolicy | None = None, key: jax.Array | None = None,
+           rounds_per_dispatch: int = 8,
            attention_impl: str | None = None, mesh: Mesh | None = None):
     """Yield (tokens i32[B, N], num_new i32[B], stats, all_done) after each dispatch.
 

@@ -31,11 +31,14 @@ a much flatter c(K), hence a larger α) and pass `--length libraspec:alpha=A`.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jspec.drafters.base import Capabilities, DraftContext, Proposal
 from jspec.errors import JspecError
+from jspec.sampling import Sampling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +54,30 @@ class FixedLength:
     @property
     def max_k(self) -> int:
         return self.k
+
+    # The length-policy protocol (what `jspec.rounds.speculative_round` calls).
+    oracle_pass = False  # the oracle length is the accepted count: no second verify
+
+    def draft_sizes(self, caps: Capabilities) -> tuple[int, int]:
+        """(tokens per `draft`, most drafted tokens a verify scores) for the drafter's state."""
+        return self.k, self.k
+
+    def verify_widths_for(self, caps: Capabilities) -> tuple[int, ...]:
+        """Static verify widths (nodes after `last`): a drafter that may abstain also gets
+        width 0, a one-token forward when no live row proposed anything."""
+        n = caps.lookahead(self.k)
+        return (0, n) if caps.may_abstain else (n,)
+
+    def draft(self, drafter: Any, dstate: Any, ctx: DraftContext, sampling: Sampling,
+              key: jax.Array, live: jax.Array
+              ) -> tuple[Proposal, Any, jax.Array, jax.Array]:
+        """(proposal of N nodes, drafter state, d i32[B] nodes each row verifies, the width
+        the batch needs i32[]): k tokens (or a tree of `caps.lookahead(k)` nodes), all verified."""
+        prop, dstate = drafter.draft(dstate, ctx, self.k, sampling, key)
+        n = prop.tokens.shape[1]
+        d = jnp.full(live.shape, n, jnp.int32)
+        need = jnp.where(jnp.any(live & (prop.tokens[:, 0] >= 0)), n, 0)
+        return prop, dstate, d, need
 
 
 def default_widths(d_max: int) -> tuple[int, ...]:
@@ -102,6 +129,115 @@ class LibraSpec:
     @property
     def verify_widths(self) -> tuple[int, ...]:
         return self.widths or default_widths(self.d_max)
+
+    # The length-policy protocol (see FixedLength).
+    oracle_pass = True  # at T = 0 a second, cheap verify over every drafted slot: the oracle
+
+    def draft_sizes(self, caps: Capabilities) -> tuple[int, int]:
+        return min(self.n, caps.block_tokens), self.d_max
+
+    def verify_widths_for(self, caps: Capabilities) -> tuple[int, ...]:
+        return self.verify_widths
+
+    def draft(self, drafter: Any, dstate: Any, ctx: DraftContext, sampling: Sampling,
+              key: jax.Array, live: jax.Array
+              ) -> tuple[Proposal, Any, jax.Array, jax.Array]:
+        """Algorithm 1 per row over the drafter's confidences: `libraspec_draft`."""
+        return libraspec_draft(self, drafter, dstate, ctx, sampling, key, live)
+
+
+def libraspec_draft(policy: LibraSpec, drafter: Any, dstate: Any, ctx: DraftContext,
+                    sampling: Sampling, key: jax.Array, live: jax.Array
+                    ) -> tuple[Proposal, Any, jax.Array, jax.Array]:
+    """LibraSpec's proposal: d_max drafted slots and each row's length d.
+
+    Draft min(n, b) tokens in a first block (b = `caps.block_tokens`), then whole blocks of b
+    until n are drafted; then Algorithm 1 as a bounded fixed-point iteration: ε* over the first
+    d confidences either cuts d (ε* ≤ d) or extends it to min(ε*, d_max), and a further block
+    is drafted (`lax.cond`, only if a live row needs it). The round verifies [last, x_1..x_W]
+    for W the smallest static width ≥ the largest live d; slots beyond a row's own d are not
+    verified, so the verifier rejects there and draws the token from the target (exact). At
+    T > 0 the confidences are max-probabilities (fixed before each token is drawn) and a block
+    anchored on a sampled token raises the row's floor to that token's slot (`raise_floor`):
+    whether a slot is verified never depends on its own token, so sampling stays exact.
+    """
+    bs = drafter.caps.block_tokens
+    k1 = min(policy.n, bs)  # the first block drafts n tokens (at most a full block)
+    n0 = 1 + -(-(policy.n - k1) // bs)  # blocks drafted before the first decision
+    nb = 1 + -(-(policy.d_max - k1) // bs)  # most blocks a round may draft
+
+    def end(j: int) -> int:  # drafted tokens once blocks 0..j exist
+        return k1 + j * bs
+    b = ctx.last.shape[0]
+    keys = jax.random.split(key, nb)
+
+    first, dstate = drafter.draft(dstate, ctx, k1, sampling, keys[0])
+    total = end(nb - 1)
+    toks = jnp.zeros((b, total), jnp.int32).at[:, :k1].set(first.tokens)
+    confs = jnp.zeros((b, total), jnp.float32).at[:, :k1].set(first.conf[:, :k1])
+    q0 = first.q
+    qs = None if q0 is None else jnp.zeros((b, total, q0.shape[-1]), q0.dtype).at[:, :k1].set(q0)
+
+    def add_block(j, toks, confs, qs):
+        lo = end(j - 1)
+        anchor = jnp.maximum(toks[:, lo - 1], 0)
+        t, q, c = drafter.extend(dstate, ctx, anchor, lo, sampling, keys[j])
+        toks = toks.at[:, lo:lo + bs].set(t)
+        confs = confs.at[:, lo:lo + bs].set(c)
+        if qs is not None:
+            qs = qs.at[:, lo:lo + bs].set(q)
+        return toks, confs, qs
+
+    for j in range(1, n0):
+        toks, confs, qs = add_block(j, toks, confs, qs)
+    # A drafted slot the drafter left empty (-1, e.g. a VAT cut) ends what can be accepted:
+    # its confidence is 0 from there on.
+    confs = jnp.where(jnp.cumsum(toks < 0, axis=1) > 0, 0.0, confs)
+
+    def settle(c, have):
+        """Iterate Algorithm 1 for every row whose next length is already drafted; a cut
+        never goes below the row's floor."""
+        def body(c):
+            d, want, stop, floor, _, confs = c
+            ready = ~stop & (want <= have)
+            d = jnp.where(ready, want, d)
+            eps = epsilon_star(confs, d, policy.alpha)
+            cut = ready & (eps <= d)
+            cap = ready & ~cut & (d >= policy.d_max)
+            d = jnp.where(cut, jnp.maximum(eps, floor), d)
+            want = jnp.where(ready & ~cut & ~cap, jnp.minimum(eps, policy.d_max),
+                             jnp.where(cut | cap, d, want))
+            stop = stop | cut | cap
+            return d, want, stop, floor, jnp.any(~stop & (want <= have)), confs
+
+        d, want, stop, floor, _, _ = jax.lax.while_loop(
+            lambda c: c[4], body, (*c, jnp.bool_(True), confs))
+        return d, want, stop, floor
+
+    def raise_floor(dws, j):
+        """Exactness at T > 0 (ARCHITECTURE "LibraSpec at T > 0"): block j is anchored on the
+        sampled token at slot end(j-1), so its confidences depend on that draw; once a row
+        drafts it, the row's length is never cut below end(j-1) — whether slot s is verified
+        then depends only on draws before s. Greedy tokens are not random: no floor."""
+        if sampling.greedy:
+            return dws
+        d, want, stop, floor = dws
+        return d, want, stop, jnp.where(stop, floor, end(j - 1))
+
+    n_first = jnp.full((b,), policy.n, jnp.int32)
+    dws = (n_first, n_first, ~live, jnp.zeros((b,), jnp.int32))  # (d, want, stop, floor)
+    for j in range(1, n0):
+        dws = raise_floor(dws, j)
+    dws = settle(dws, end(n0 - 1))
+    for j in range(n0, nb):
+        need = jnp.any(~dws[2] & (dws[1] > end(j - 1)))  # a live row waits for block j
+        toks, confs, qs = jax.lax.cond(
+            need, lambda a, j=j: add_block(j, *a), lambda a: a, (toks, confs, qs))
+        dws = settle(raise_floor(dws, j), end(j))
+    d = jnp.clip(dws[0], 1, policy.d_max)
+    prop = Proposal(tokens=toks[:, :policy.d_max], q=None if qs is None else qs[:, :policy.d_max],
+                    conf=confs[:, :policy.d_max])
+    return prop, dstate, d, jnp.max(jnp.where(live, d, 1))
 
 
 def epsilon_star(conf: jax.Array, d: jax.Array, alpha: float) -> jax.Array:

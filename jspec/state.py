@@ -183,20 +183,10 @@ def commit(state: SpecState, emitted: jax.Array, n_emit: jax.Array, eos_ids: tup
         num_new=num_new, last=jnp.where(count > 0, new_last, state.last), done=done, stats=stats)
 
 
-def feature_layers(drafter: Any) -> tuple[int, ...]:
-    """Target layers whose hidden states the drafter reads (trained drafters), else ()."""
-    return tuple(getattr(drafter, "feature_layers", ()) or ())
-
-
-def features(hidden: jax.Array, drafter: Any = None) -> jax.Array:
+def features(hidden: jax.Array, norm: str = "rms") -> jax.Array:
     """[n, B, T, D] target hidden states -> f32[B, T, n, D], each vector divided by its RMS;
-    raw (only cast) for a drafter whose `feature_norm` is "none" (imported EAGLE-3 / DFlash
-    checkpoints, trained on the raw hidden states: jspec.drafters.interop)."""
-    if getattr(drafter, "feature_norm", "rms") == "none":
+    raw (only cast) for norm "none" (a drafter's `caps.feature_norm`: imported EAGLE-3 /
+    DFlash checkpoints, trained on the raw hidden states: jspec.drafters.interop)."""
+    if norm == "none":
         return jnp.moveaxis(hidden.astype(jnp.float32), 0, 2)
     return jnp.moveaxis(rms_normalize(hidden), 0, 2)
-
-
-def drafter_may_abstain(drafter: Any) -> bool:
-    """Drafters that may propose nothing (-1) for a whole batch get a cheap fallback branch."""
-    return bool(getattr(drafter, "may_abstain", False))

@@ -17,8 +17,9 @@ from test_trained_drafters import PROMPTS, tiny_cfg
 
 import jspec
 from jspec.drafters import d2sd, dflash
+from jspec.drafters.base import Capabilities, ChainDrafter, Proposal
 from jspec.drafters.trained import save_drafter
-from jspec.tree import walk
+from jspec.verify.tree import walk
 
 
 @functools.cache
@@ -96,7 +97,7 @@ def test_greedy_identity_pallas_tree_attention():
 # ---------------------------------------------------------------------------- fake tree drafters
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class OracleTree:
+class OracleTree(ChainDrafter):
     """Knows the greedy continuation `ref`; corrupts chain depth `wrong_at` (0: none) and hangs
     the right continuation on the branch at boundary wrong_at - 1, a wrong one on another: a
     round then accepts through a branch, whose K/V must be moved into place."""
@@ -105,16 +106,14 @@ class OracleTree:
     vocab: int = dataclasses.field(metadata=dict(static=True))
     wrong_at: int = dataclasses.field(metadata=dict(static=True))
     branch_len: int = dataclasses.field(metadata=dict(static=True))
-    is_tree = True
-    feature_layers = ()
+    @property
+    def caps(self):
+        return Capabilities(tree=True, nodes=lambda k: k + 2 * self.branch_len)
 
-    def lookahead(self, k):
-        return k + 2 * self.branch_len
-
-    def init_state(self, features, prompt_ids, prompt_lengths, capacity):
+    def init_state(self, features, prompt_ids, prompt_lengths, capacity, *, k, verify_width):
         return None
 
-    def propose_tree(self, state, ctx, k, key):
+    def draft(self, state, ctx, k, sampling, key):
         c = self.ref.shape[1]
         at = lambda d: jnp.take_along_axis(self.ref, jnp.minimum(ctx.cache_len[:, None] + d,  # noqa: E731
                                                                  c - 1), axis=1)
@@ -130,8 +129,12 @@ class OracleTree:
         is_br2 = jnp.arange(depth.shape[1]) >= 1 + k + self.branch_len
         toks = jnp.where(is_br2[None], (toks + 3) % self.vocab, toks)
         toks = toks.at[:, 1:k + 1].set(chain).at[:, 0].set(ctx.last)
-        return d2sd.TreeDraft(tokens=jnp.where(valid, toks, 0), parents=parents, depth=depth,
-                              valid=valid), None
+        return _proposal(toks, parents, valid), None
+
+
+def _proposal(toks, parents, valid):
+    """A D²SD layout (node 0 = `last`) as the Proposal of its drafted nodes."""
+    return Proposal(tokens=jnp.where(valid[:, 1:], toks[:, 1:], -1), parents=parents[:, 1:] - 1)
 
 
 @pytest.mark.parametrize("wrong_at", [0, 1, 3])
@@ -159,28 +162,25 @@ def test_acceptance_through_branches_keeps_the_cache_right(wrong_at):
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class GuessTree:
+class GuessTree(ChainDrafter):
     """Guesses every node uniformly among a few likely tokens (seeded by the round key)."""
 
     guesses: jax.Array  # i32[G]
     branch_len: int = dataclasses.field(metadata=dict(static=True))
-    is_tree = True
-    feature_layers = ()
+    @property
+    def caps(self):
+        return Capabilities(tree=True, nodes=lambda k: k + k * self.branch_len)
 
-    def lookahead(self, k):
-        return k + k * self.branch_len
-
-    def init_state(self, features, prompt_ids, prompt_lengths, capacity):
+    def init_state(self, features, prompt_ids, prompt_lengths, capacity, *, k, verify_width):
         return None
 
-    def propose_tree(self, state, ctx, k, key):
+    def draft(self, state, ctx, k, sampling, key):
         b = ctx.last.shape[0]
         bounds = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))
-        parents, depth, valid = d2sd.tree_layout(k, k, self.branch_len, bounds)
+        parents, _, valid = d2sd.tree_layout(k, k, self.branch_len, bounds)
         pick = jax.random.randint(key, parents.shape, 0, self.guesses.shape[0])
         toks = self.guesses[pick].at[:, 0].set(ctx.last)
-        return d2sd.TreeDraft(tokens=jnp.where(valid, toks, 0), parents=parents, depth=depth,
-                              valid=valid), None
+        return _proposal(toks, parents, valid), None
 
 
 def _chi2_two_sample(a: np.ndarray, b: np.ndarray, top: int = 40) -> float:

@@ -35,6 +35,7 @@ from test_trained_drafters import tiny_cfg
 
 import jspec
 from jspec.drafters import eagle3
+from jspec.drafters.base import ChainDrafter
 from jspec.sampling import process_logits, sample_from_probs
 from jspec.verify import Lossless, verify_chain
 
@@ -200,6 +201,49 @@ def test_tree_round_at_t1(kind):
     assert test.dof >= 2 * (K + 1), test
 
 
+@pytest.mark.parametrize("inner", ["early-exit:1", "eagle3"])
+def test_topk_tree_at_t1(inner):
+    """The top-k tree around a chain drafter at T = 1 (k = 3 children, 8 nodes, chain length
+    K = 3) on `flat_model`: early-exit:1 and the tiny EAGLE-3 (a trained drafter's features
+    along a path that may leave the chain). ROWS = 4096 per side, α = 0.01 (Holm over
+    t = 1..4), keys 1 / 2 / 3; τ > 1.1 for early-exit (≈ 1.15: the walk accepts a node with
+    the target's probability of its token, below the chain's min(1, p/q) with the real q) and
+    > 1.005 for the random EAGLE-3 (≈ 1.01: ~270 accepted drafts in 16,384 tokens)."""
+    from jspec.drafters.topk_tree import TopKTree
+
+    model, d = (flat_model(), jspec.load_drafter(inner, target=flat_model())) \
+        if inner == "early-exit:1" else tiny_eagle3()
+    tree = TopKTree(inner=d, k=3, nodes=8)
+    _assert_lossless(*check_lossless(model, _T1, drafter=tree, length=jspec.FixedLength(K)),
+                     min_tau=1.1 if inner == "early-exit:1" else 1.005)
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class ColdWalk(Lossless):
+    """Broken: walks the tree along target tokens drawn at temperature 0.7, not the round's."""
+
+    def verify_tree(self, vstate, key, tokens, parents, depth, valid, target_logits, sampling,
+                    max_depth):
+        return super().verify_tree(vstate, key, tokens, parents, depth, valid, target_logits,
+                                   jspec.Sampling(temperature=0.7), max_depth)
+
+
+def test_broken_tree_walk_is_rejected():
+    """The statistic of the tree tests (ROWS = 4096 per side, Holm α = 0.01 over t = 1..4, keys
+    1 / 2 / 3; the early-exit:1 top-k tree at T = 1) rejects a walk along target tokens drawn
+    at temperature 0.7; the A/A control passes in the same run."""
+    from jspec.drafters.topk_tree import TopKTree
+
+    model = flat_model()
+    tree = TopKTree(inner=jspec.load_drafter("early-exit:1", target=model), k=3, nodes=8)
+    aa, test, fit, _ = check_lossless(model, _T1, drafter=tree, verifier=ColdWalk(),
+                                      length=jspec.FixedLength(K))
+    assert aa.same, aa
+    assert not test.same, f"cold walk was not detected: {test}"
+    assert not fit.same, f"cold walk was not detected by the exact fit: {fit}"
+
+
 # ---------------------------------------------------------------- variants that must fail
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +269,7 @@ class AcceptsTooMuch(Lossless):
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Drafts:
+class Drafts(ChainDrafter):
     """Wraps a drafter. mode "argmax": proposes argmax q but reports q (broken: verification
     assumes x ~ q); mode "one-hot": samples x ~ q but reports no q, so it is verified as a
     one-hot draft (lossless: the residual then removes exactly x; acceptance drops)."""
@@ -233,8 +277,8 @@ class Drafts:
     inner: jspec.drafters.DraftModel
     mode: str = dataclasses.field(metadata=dict(static=True))
 
-    def init_state(self, *args):
-        return self.inner.init_state(*args)
+    def init_state(self, *args, **kw):
+        return self.inner.init_state(*args, **kw)
 
     def propose(self, state, ctx, k, sampling, key):
         tokens, q, state = self.inner.propose(state, ctx, k, sampling, key)

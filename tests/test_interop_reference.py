@@ -359,7 +359,7 @@ def jspec_rounds(model, drafter, k, rounds, temperature, seed=0):
                     jax.random.key(seed), sampling=jspec.Sampling(), max_new_tokens=40,
                     capacity=128, eos_ids=(), k=k, verifier=Lossless())
     rnd = jax.jit(functools.partial(speculative_round, model.config, model.weights, drafter,
-                                    k=k, sampling=jspec.Sampling(), eos_ids=(),
+                                    policy=jspec.FixedLength(k), sampling=jspec.Sampling(), eos_ids=(),
                                     verifier=Lossless()))
     sampling = jspec.Sampling(temperature=temperature)
     out = []

@@ -14,6 +14,7 @@ from test_speculative import _chi2_two_sample, _thinned
 from test_trained_drafters import PROMPTS, _pad, tiny_drafter
 
 import jspec
+from jspec.drafters.base import Capabilities, ChainDrafter, Proposal
 from jspec.length import LibraSpec, default_widths, epsilon_star, parse_length
 
 
@@ -56,9 +57,21 @@ class _ScriptState:
     conf: jax.Array
 
 
+class _BlockDrafter(ChainDrafter):
+    """A block drafter (LibraSpec's kind): proposals carry the state's confidences."""
+
+    @property
+    def caps(self) -> Capabilities:
+        return Capabilities(block_tokens=self.block)
+
+    def draft(self, state, ctx, k, sampling, key):
+        tokens, q, state = self.propose(state, ctx, k, sampling, key)
+        return Proposal(tokens=tokens, q=q, conf=state.conf), state
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class ScriptedBlockDrafter:
+class ScriptedBlockDrafter(_BlockDrafter):
     """Proposes token 0 with scripted confidences: row b, drafted position t -> table[b, t]."""
 
     table: jax.Array  # f32[B, T]
@@ -69,7 +82,7 @@ class ScriptedBlockDrafter:
     def block_tokens(self) -> int:
         return self.block
 
-    def init_state(self, target, prompt_ids, prompt_lengths, capacity):
+    def init_state(self, target, prompt_ids, prompt_lengths, capacity, **kw):
         return _ScriptState(conf=jnp.zeros((prompt_ids.shape[0], self.block), jnp.float32))
 
     def propose(self, state, ctx, k, sampling, key):
@@ -269,7 +282,7 @@ def markov_target(trans: np.ndarray) -> tuple[jspec.Model, np.ndarray]:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class SampledBlockDrafter:
+class SampledBlockDrafter(_BlockDrafter):
     """A block drafter that samples: slot s of a block anchored on token a is drawn from
     table[s, a] (f32[S, V, V]) through jspec's own `choose` (confidences included). With
     `token_conf` it reports the sampled token's own probability as its confidence instead —
@@ -284,7 +297,7 @@ class SampledBlockDrafter:
     def block_tokens(self) -> int:
         return self.block
 
-    def init_state(self, target, prompt_ids, prompt_lengths, capacity):
+    def init_state(self, target, prompt_ids, prompt_lengths, capacity, **kw):
         return _ScriptState(conf=jnp.zeros((prompt_ids.shape[0], self.block), jnp.float32))
 
     def _draw(self, anchor, offset, k, sampling, key):

@@ -14,6 +14,7 @@ from scipy import stats as sps
 import jspec
 from jspec.decode import _generate
 from jspec.drafters import DraftModel, NGram
+from jspec.drafters.base import ChainDrafter
 from jspec.verify import verify_chain
 
 
@@ -74,14 +75,14 @@ def test_batch_sizes_give_identical_greedy_results():
     np.testing.assert_array_equal(outs[1], outs[8])
 
 
-class _Scripted:
+class _Scripted(ChainDrafter):
     """Test drafter: proposes the known greedy continuation with one token corrupted."""
 
     def __init__(self, reference, wrong_at):
         self.reference = jnp.asarray(reference)  # i32[B, C] prompt + greedy continuation
         self.wrong_at = wrong_at
 
-    def init_state(self, target, prompt_ids, prompt_lengths, capacity):
+    def init_state(self, target, prompt_ids, prompt_lengths, capacity, **kw):
         return None
 
     def propose(self, state, ctx, k, sampling, key):

@@ -78,7 +78,8 @@ def _rounds_with_drafts(model, drafter, k, n_rounds):
                     jax.random.key(0), sampling=sampling, max_new_tokens=40, capacity=128,
                     eos_ids=(), k=k, verifier=Lossless())
     rnd = jax.jit(functools.partial(speculative_round, model.config, model.weights, drafter,
-                                    k=k, sampling=sampling, eos_ids=(), verifier=Lossless()))
+                                    policy=jspec.FixedLength(k), sampling=sampling, eos_ids=(),
+                                    verifier=Lossless()))
     log = []
     for _ in range(n_rounds):
         ctx = DraftContext(seq=st.seq, cache_len=st.cache.lengths, last=st.last)

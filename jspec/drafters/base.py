@@ -1,19 +1,28 @@
-"""The drafter protocol.
+"""The drafter protocol: what a drafter declares (`Capabilities`) and proposes (`Proposal`).
 
-A drafter is a pytree (its weights are leaves, its configuration static) with two methods:
-  init_state(target, prompt_ids, prompt_lengths, capacity) -> state pytree
+A drafter is a pytree (its weights are leaves, its configuration static) with
+  caps                                                   -> Capabilities (static)
+  init_state(features, prompt_ids, prompt_lengths, capacity, *, k, verify_width) -> state
+  draft(state, ctx, k, sampling, key)                    -> (Proposal, state)
+  observe(state, feats, start, count)                    -> state
+The round (`jspec.rounds`) reads nothing else of a drafter. `ChainDrafter` is the base of
+drafters that propose chains: they implement
   propose(state, ctx, k, sampling, key) -> (tokens i32[B, k], q f32[B, k, V] | None, state)
-`q` is the draft distribution after the same temperature/top-k/top-p processing as the target's,
-or None when the draft is deterministic (one-hot: n-gram lookup, or any greedy drafter).
+and `draft` wraps it. `q` is the draft distribution after the same temperature/top-k/top-p
+processing as the target's, or None when the draft is deterministic (one-hot: n-gram lookup,
+or any greedy drafter).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 
+from jspec.models.llama import tree_ancestors
 from jspec.sampling import Sampling
 
 
@@ -27,9 +36,106 @@ class DraftContext:
     last: jax.Array  # i32[B] last committed token (= seq[b, cache_len[b]])
 
 
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a drafter is, declared once (static; `generate` and the round read only this).
+
+    feature_layers: target layers whose hidden states it reads (sorted, unique; () for none).
+    feature_norm: "rms" (each feature divided by its RMS) or "none" (raw; imported checkpoints).
+    may_abstain: it may propose nothing (-1) for a whole batch: the round then runs a one-token
+      forward instead of the verify block.
+    tree: its proposals are trees (`Proposal.parents` set); verified by a `trees` verifier.
+    block_tokens: > 0 for a block drafter that can `extend(state, ctx, anchor, offset,
+      sampling, key)` by blocks of this many tokens (LibraSpec drafts with it).
+    hidden_size: > 0 when its proposals carry hidden states f32[B, N, hidden_size] (a verifier
+      with `needs_hidden`, DIVERSED's context head, reads them).
+    nodes: for tree drafters, the nodes a proposal holds for chain length k (None: k).
+    """
+
+    feature_layers: tuple[int, ...] = ()
+    feature_norm: str = "rms"
+    may_abstain: bool = False
+    tree: bool = False
+    block_tokens: int = 0
+    hidden_size: int = 0
+    nodes: Callable[[int], int] | None = None
+
+    def lookahead(self, k: int) -> int:
+        """Cache slots a round writes beyond `last` for chain length k (its proposal's nodes)."""
+        return k if self.nodes is None else self.nodes(k)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Proposal:
+    """What a drafter proposes in one round: a token tree of N nodes per row after `last`.
+
+    A chain is the tree whose node t has parent t - 1 (`parents` None, which the round verifies
+    with the causal mask). Node order is topological (a parent before its children).
+    """
+
+    tokens: jax.Array  # i32[B, N] drafted tokens; -1: nothing proposed at that node
+    q: jax.Array | None = None  # f32[B, N, V] draft distributions (None: one-hot / greedy)
+    parents: jax.Array | None = None  # i32[B, N] parent node, -1 = `last`; None: a chain
+    conf: jax.Array | None = None  # f32[B, N] confidences (LibraSpec)
+    hidden: jax.Array | None = None  # f32[B, N, D] drafter hidden states (DIVERSED's head)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents is None
+
+    @property
+    def valid(self) -> jax.Array:
+        """bool[B, N] nodes with a proposed token."""
+        return self.tokens >= 0
+
+    def depth(self) -> jax.Array:
+        """i32[B, N] tokens from `last` to the node (1 for `last`'s children)."""
+        b, n = self.tokens.shape
+        if self.parents is None:
+            return jnp.broadcast_to(jnp.arange(1, n + 1, dtype=jnp.int32), (b, n))
+        anc = tree_ancestors(self.parents)  # [B, N, N]: the node and its drafted ancestors
+        return jnp.sum(anc, axis=-1).astype(jnp.int32)
+
+
+@runtime_checkable
 class Drafter(Protocol):
-    def init_state(self, target: Any, prompt_ids: jax.Array, prompt_lengths: jax.Array,
-                   capacity: int) -> Any: ...
+    """The protocol every drafter implements (`ChainDrafter` for chain drafters)."""
+
+    @property
+    def caps(self) -> Capabilities: ...
+
+    def init_state(self, features: jax.Array | None, prompt_ids: jax.Array,
+                   prompt_lengths: jax.Array, capacity: int, *, k: int,
+                   verify_width: int) -> Any: ...
+
+    def draft(self, state: Any, ctx: DraftContext, k: int, sampling: Sampling,
+              key: jax.Array) -> tuple[Proposal, Any]: ...
+
+    def observe(self, state: Any, feats: jax.Array, start: jax.Array,
+                count: jax.Array) -> Any: ...
+
+
+class ChainDrafter:
+    """Base of chain drafters: `draft` from `propose`; no target features by default."""
+
+    name = "drafter"
+
+    @property
+    def caps(self) -> Capabilities:
+        return Capabilities()
 
     def propose(self, state: Any, ctx: DraftContext, k: int, sampling: Sampling,
-                key: jax.Array) -> tuple[jax.Array, jax.Array | None, Any]: ...
+                key: jax.Array) -> tuple[jax.Array, jax.Array | None, Any]:
+        raise NotImplementedError
+
+    def draft(self, state: Any, ctx: DraftContext, k: int, sampling: Sampling,
+              key: jax.Array) -> tuple[Proposal, Any]:
+        tokens, q, state = self.propose(state, ctx, k, sampling, key)
+        return Proposal(tokens=tokens, q=q), state
+
+    def observe(self, state: Any, feats: jax.Array, start: jax.Array,
+                count: jax.Array) -> Any:
+        """Target features of the accepted path f32[B, M, F, D] at positions start..,
+        `count` valid (drafters with `caps.feature_layers`); nothing to do by default."""
+        return state

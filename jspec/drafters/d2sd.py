@@ -13,7 +13,7 @@ second drafter re-drafts from slot i+1 given the first i drafts, all K branches 
 block pass over the same target features.
 
 jspec choices (stated, measurable):
-  * Both drafters draft greedily at every temperature: the tree walk (jspec/tree.py) only
+  * Both drafters draft greedily at every temperature: the tree walk (jspec/verify/tree.py) only
     matches tokens, it never reads q, so greedy drafts maximise the match probability and
     the output stays exactly the target's distribution.
   * At a branch's first slot the first drafter's token x_{i+1} is excluded (its logit set to
@@ -35,12 +35,13 @@ jspec choices (stated, measurable):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jspec.drafters.base import DraftContext
+from jspec.drafters.base import Capabilities, DraftContext, Proposal
 from jspec.drafters.dflash import (
     DFlash,
     DFlashState,
@@ -106,18 +107,6 @@ class D2SDState:
     second: DFlashState
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class TreeDraft:
-    """A drafted prefix tree of T nodes per row. Node 0 is the anchor (`last`); nodes 1..k the
-    first drafter's chain; then K branches of `branch_len` nodes each."""
-
-    tokens: jax.Array  # i32[B, T] node tokens (node 0: the anchor)
-    parents: jax.Array  # i32[B, T] parent node; -1 for node 0 (its parent is the cache)
-    depth: jax.Array  # i32[B, T] tokens after the anchor (node 0: 0)
-    valid: jax.Array  # bool[B, T] False for padding nodes (never accepted)
-
-
 def tree_layout(k: int, n_branches: int, branch_len: int, bounds: jax.Array
                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Parents, depths and validity of the tree for boundaries `bounds` i32[B, K].
@@ -140,6 +129,12 @@ def tree_layout(k: int, n_branches: int, branch_len: int, bounds: jax.Array
     return parents, depth, valid
 
 
+def tree_nodes(branches: int, branch_len: int, k: int) -> int:
+    """Drafted nodes of a D²SD tree for chain length k: the chain and min(branches, k)
+    branches of `branch_len` nodes."""
+    return k + min(branches, k) * branch_len
+
+
 def boundary_scores(conf: jax.Array) -> jax.Array:
     """f32[B, k]: r(i) = Π_{j<=i} c_j · (1 - c_{i+1}) for i = 0..k-1 from conf f32[B, k]
     (conf[:, j] = c_{j+1}, the confidence of drafted token j+1)."""
@@ -151,7 +146,7 @@ def boundary_scores(conf: jax.Array) -> jax.Array:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class D2SD:
-    """The D²SD tree drafter: `jspec.generate` runs `jspec.tree.tree_round` for it.
+    """The D²SD tree drafter: proposes trees (`caps.tree`), verified by the tree walk.
 
     `k` (FixedLength) is the chain length: γ = k + 1 <= the drafters' block.
     """
@@ -168,32 +163,24 @@ class D2SD:
         if not isinstance(self.branch_len, int) or self.branch_len < 1:
             raise JspecError(f"D2SD branch_len must be an integer >= 1, got {self.branch_len!r}")
 
-    is_tree = True  # decode.make_round dispatches to jspec.tree.tree_round
-    may_abstain = False
-
     @property
     def cfg(self) -> DrafterConfig:
         """The first drafter's config (both share feature layers, heads and vocabulary)."""
         return self.first.cfg
 
     @property
-    def feature_layers(self) -> tuple[int, ...]:
-        return self.first.cfg.feature_layers
-
-    @property
-    def hidden_size(self) -> int:
-        return self.first.cfg.hidden_size
+    def caps(self) -> Capabilities:
+        """A tree drafter reading the first drafter's feature layers; no hidden states."""
+        return Capabilities(feature_layers=self.first.feature_layers,
+                            feature_norm=self.first.feature_norm, tree=True,
+                            nodes=functools.partial(tree_nodes, self.branches, self.branch_len))
 
     def num_branches(self, k: int) -> int:
         return min(self.branches, k)
 
     def tree_size(self, k: int) -> int:
         """T: nodes verified per round (anchor + k chain tokens + the branches)."""
-        return 1 + k + self.num_branches(k) * self.branch_len
-
-    def lookahead(self, k: int) -> int:
-        """Cache slots a round writes beyond `last` (the tree forward writes T slots)."""
-        return self.tree_size(k) - 1
+        return 1 + tree_nodes(self.branches, self.branch_len, k)
 
     def check_k(self, k: int) -> None:
         block = min(self.first.cfg.block, self.second.cfg.block)
@@ -201,12 +188,12 @@ class D2SD:
             raise JspecError(f"D2SD drafters trained with block {block}: k <= {block - 1}, got {k}")
 
     def init_state(self, features: jax.Array, prompt_ids: jax.Array, prompt_lengths: jax.Array,
-                   capacity: int, k: int) -> D2SDState:
+                   capacity: int, *, k: int, verify_width: int | None = None) -> D2SDState:
         self.check_k(k)
         return D2SDState(first=self.first.init_state(features, prompt_ids, prompt_lengths,
-                                                     capacity, k),
+                                                     capacity, k=k),
                          second=self.second.init_state(features, prompt_ids, prompt_lengths,
-                                                       capacity, k))
+                                                       capacity, k=k))
 
     def observe(self, state: D2SDState, feats: jax.Array, start: jax.Array,
                 count: jax.Array) -> D2SDState:
@@ -214,9 +201,10 @@ class D2SD:
         return D2SDState(first=self.first.observe(state.first, feats, start, count),
                          second=self.second.observe(state.second, feats, start, count))
 
-    def propose_tree(self, state: D2SDState, ctx: DraftContext, k: int, key: jax.Array
-                     ) -> tuple[TreeDraft, D2SDState]:
-        """First drafter's chain, boundaries, the K branches in one pass: the tree."""
+    def draft(self, state: D2SDState, ctx: DraftContext, k: int, sampling: Sampling,
+              key: jax.Array) -> tuple[Proposal, D2SDState]:
+        """First drafter's chain, boundaries, the K branches in one pass: the tree (greedy
+        drafts at every temperature; the tree walk verifies any tree exactly)."""
         self.check_k(k)
         greedy = Sampling()
         with jax.named_scope("draft_chain"):
@@ -225,11 +213,12 @@ class D2SD:
         bounds = jax.lax.top_k(boundary_scores(s1.conf), n_br)[1].astype(jnp.int32)  # [B, K]
         with jax.named_scope("draft_branches"):
             br, s2 = self._branches(state.second, ctx, chain, bounds, k)  # [B, K, L]
-        parents, depth, valid = tree_layout(k, n_br, ln, bounds)
+        parents, _, valid = tree_layout(k, n_br, ln, bounds)
         b = chain.shape[0]
-        tokens = jnp.concatenate([ctx.last[:, None], chain, br.reshape(b, -1)], axis=1)
-        tokens = jnp.where(valid, tokens, 0)
-        return (TreeDraft(tokens=tokens, parents=parents, depth=depth, valid=valid),
+        tokens = jnp.concatenate([chain, br.reshape(b, -1)], axis=1)
+        # Node 0 of the layout is `last`: drafted node t is layout node t + 1.
+        tokens = jnp.where(valid[:, 1:], tokens, -1)
+        return (Proposal(tokens=tokens, parents=parents[:, 1:] - 1),
                 D2SDState(first=s1, second=s2))
 
     def _branches(self, st: DFlashState, ctx: DraftContext, chain: jax.Array, bounds: jax.Array,

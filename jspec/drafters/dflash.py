@@ -21,11 +21,11 @@ from jspec.drafters.trained import (
     DrafterConfig,
     Params,
     Pending,
+    TrainedDrafter,
     attention,
     choose,
     dense,
     draft_logits,
-    forward_layers,
     in_config_order,
     init_dense,
     init_layer,
@@ -197,7 +197,7 @@ class DFlashState:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class DFlash:
+class DFlash(TrainedDrafter):
     """The DFlash drafter as a jspec drafter: k <= block-1 tokens in one pass, more in chained
     blocks."""
 
@@ -208,24 +208,6 @@ class DFlash:
     cfg: DrafterConfig = dataclasses.field(metadata=dict(static=True))
     cut: float = dataclasses.field(metadata=dict(static=True), default=0.0)
     name: str = dataclasses.field(metadata=dict(static=True), default="dflash")
-
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        """Target layers the forward is asked for (sorted, unique; `in_config_order`)."""
-        return forward_layers(self.cfg.feature_layers)
-
-    @property
-    def feature_norm(self) -> str:
-        """"rms" (jspec's drafters) or "none" (raw hidden states: imported checkpoints)."""
-        return self.cfg.feature_norm
-
-    @property
-    def may_abstain(self) -> bool:
-        return self.cut > 0
-
-    @property
-    def hidden_size(self) -> int:
-        return self.cfg.hidden_size
 
     def _write(self, ck, cv, feats, positions):
         c = context(self.cfg, self.params, feats)
@@ -243,7 +225,7 @@ class DFlash:
         return self.cfg.block - 1
 
     def init_state(self, features: jax.Array, prompt_ids: jax.Array, prompt_lengths: jax.Array,
-                   capacity: int, k: int, verify_width: int | None = None) -> DFlashState:
+                   capacity: int, *, k: int, verify_width: int | None = None) -> DFlashState:
         """`k`: tokens per `propose`; `verify_width`: most drafted tokens a verify pass scores
         (default k; larger under LibraSpec, whose extra blocks come from `extend`)."""
         b, p = prompt_ids.shape
@@ -259,11 +241,6 @@ class DFlash:
                                                          jnp.zeros((b,), jnp.int32)),
                            conf=zk, vhat=zk, last_c=last_c,
                            hidden=jnp.zeros((b, k, cfg.hidden_size), jnp.float32))
-
-    def observe(self, state: DFlashState, feats: jax.Array, start: jax.Array,
-                count: jax.Array) -> DFlashState:
-        return dataclasses.replace(state, pending=Pending(in_config_order(self.cfg, feats),
-                                                          start, count))
 
     def propose(self, state: DFlashState, ctx: DraftContext, k: int, sampling: Sampling,
                 key: jax.Array) -> tuple[jax.Array, jax.Array | None, DFlashState]:

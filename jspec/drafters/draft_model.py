@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jspec.drafters.base import DraftContext
+from jspec.drafters.base import ChainDrafter, DraftContext
 from jspec.models.cache import KVCache
 from jspec.models.config import ModelConfig
 from jspec.models.llama import Weights, forward
@@ -23,7 +23,7 @@ class DraftModelState:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class DraftModel:
+class DraftModel(ChainDrafter):
     """Draft with a small model: k autoregressive steps, keeping each step's full q.
 
     `num_layers` < config.num_layers runs only the first layers (plus final norm and head):
@@ -39,8 +39,8 @@ class DraftModel:
     def layers(self) -> int:
         return self.num_layers or self.config.num_layers
 
-    def init_state(self, target: Any, prompt_ids: jax.Array, prompt_lengths: jax.Array,
-                   capacity: int) -> DraftModelState:
+    def init_state(self, features: Any, prompt_ids: jax.Array, prompt_lengths: jax.Array,
+                   capacity: int, *, k: int = 0, verify_width: int = 0) -> DraftModelState:
         b, p = prompt_ids.shape
         cache = KVCache.create(self.config, b, capacity, num_layers=self.layers)
         pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))

@@ -20,11 +20,11 @@ from jspec.drafters.trained import (
     DrafterConfig,
     Params,
     Pending,
+    TrainedDrafter,
     attention,
     choose,
     dense,
     draft_logits,
-    forward_layers,
     in_config_order,
     init_dense,
     init_layer,
@@ -143,7 +143,7 @@ class Eagle3State:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Eagle3:
+class Eagle3(TrainedDrafter):
     """The EAGLE-3 drafter as a jspec drafter (protocol of jspec.drafters.base).
 
     `cut` > 0 (VAT, optional): drafts from the first position whose verification-head
@@ -158,27 +158,10 @@ class Eagle3:
     cut: float = dataclasses.field(metadata=dict(static=True), default=0.0)
     name: str = dataclasses.field(metadata=dict(static=True), default="eagle3")
 
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        """Target layers the forward is asked for (sorted, unique; `in_config_order`)."""
-        return forward_layers(self.cfg.feature_layers)
-
-    @property
-    def feature_norm(self) -> str:
-        """"rms" (jspec's drafters) or "none" (raw hidden states: imported checkpoints)."""
-        return self.cfg.feature_norm
-
-    @property
-    def may_abstain(self) -> bool:
-        return self.cut > 0
-
-    @property
-    def hidden_size(self) -> int:
-        return self.cfg.hidden_size
-
     def init_state(self, features: jax.Array, prompt_ids: jax.Array, prompt_lengths: jax.Array,
-                   capacity: int, k: int) -> Eagle3State:
-        """Ingest prompt entries 0..len-2; entry len-1 waits for the first sampled token."""
+                   capacity: int, *, k: int, verify_width: int | None = None) -> Eagle3State:
+        """Ingest prompt entries 0..len-2; entry len-1 waits for the first sampled token.
+        `k`: tokens per `propose` (a verify scores at most k: `verify_width` is k)."""
         b, p = prompt_ids.shape
         cfg = self.cfg
         features = in_config_order(cfg, features)
@@ -194,12 +177,6 @@ class Eagle3:
         return Eagle3State(ck=ck, cv=cv, pending=Pending(pend, prompt_lengths - 1,
                                                          jnp.ones((b,), jnp.int32)),
                            conf=z, vhat=z, hidden=jnp.zeros((b, k, cfg.hidden_size), jnp.float32))
-
-    def observe(self, state: Eagle3State, feats: jax.Array, start: jax.Array,
-                count: jax.Array) -> Eagle3State:
-        """Features f32[B, K+1, F, D] of the verify block at positions start.., count valid."""
-        return dataclasses.replace(state, pending=Pending(in_config_order(self.cfg, feats),
-                                                          start, count))
 
     def propose(self, state: Eagle3State, ctx: DraftContext, k: int, sampling: Sampling,
                 key: jax.Array) -> tuple[jax.Array, jax.Array | None, Eagle3State]:

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from jspec.drafters import interop
+from jspec.drafters import interop, topk_tree
 from jspec.drafters.draft_model import DraftModel
 from jspec.drafters.ngram import NGram
 from jspec.errors import JspecError, ModelLoadError
@@ -32,6 +32,8 @@ SHIPPED = {"smollm2-135m-eagle3": "smollm2-135m-eagle3.safetensors",
            # D²SD's second (variable-prefix) drafter; its file names the first (the DFlash).
            "smollm2-135m-d2sd": "smollm2-135m-d2sd.safetensors"}
 TREE_OPTIONS = ("branches", "branch_len")  # D²SD: tree shape (static)
+# Proposers around any chain drafter: "INNER+name:key=value,...".
+WRAPPERS = {"topk": topk_tree.from_options}
 
 
 def _trained(path: Path, target: Any, cut: float | None, name: str,
@@ -91,11 +93,16 @@ def load_drafter(name_or_path: str | os.PathLike, *, target: Any = None) -> Any:
     one (z-lab release layout), or one written by `python -m train export`
     (`jspec.drafters.interop`); a Hugging Face directory or .gguf file of a small Llama-family
     model with the target's tokenizer. `target` may be omitted for trained drafters (their target is
-    loaded by name).
+    loaded by name). Any chain drafter followed by "+topk[:k=K,nodes=N]" proposes its top-k token
+    tree instead (`jspec.drafters.topk_tree`; defaults k=4, nodes=16).
     """
     from jspec.models.model import load_model  # noqa: PLC0415
 
     name = str(name_or_path)
+    inner, plus, wrap = name.rpartition("+")
+    if plus and inner and wrap.partition(":")[0] in WRAPPERS:
+        w, _, opts = wrap.partition(":")
+        return WRAPPERS[w](load_drafter(inner, target=target), _kv_args(opts))
     kind, _, arg = name.partition(":")
     if kind in SHIPPED or kind.endswith(".safetensors"):
         cut = None

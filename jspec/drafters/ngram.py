@@ -8,14 +8,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jspec.drafters.base import DraftContext
+from jspec.drafters.base import Capabilities, ChainDrafter, DraftContext
 from jspec.errors import JspecError
 from jspec.sampling import Sampling
 
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
-class NGram:
+class NGram(ChainDrafter):
     """Propose the k tokens that followed the latest earlier match of the longest suffix n-gram.
 
     n_max..n_min: suffix lengths tried, longest first. Deterministic, so q is one-hot.
@@ -26,14 +26,19 @@ class NGram:
 
     n_max: int = 3
     n_min: int = 1
-    may_abstain = True  # class attribute, not a field: see `drafter_may_abstain`
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_min <= self.n_max:
             raise JspecError(f"NGram needs 1 <= n_min <= n_max, got {self.n_min}, {self.n_max}")
 
-    def init_state(self, target: Any, prompt_ids: jax.Array, prompt_lengths: jax.Array,
-                   capacity: int) -> None:
+    name = "ngram"
+
+    @property
+    def caps(self) -> Capabilities:
+        return Capabilities(may_abstain=True)
+
+    def init_state(self, features: Any, prompt_ids: jax.Array, prompt_lengths: jax.Array,
+                   capacity: int, *, k: int = 0, verify_width: int = 0) -> None:
         return None
 
     def lookup(self, seq: jax.Array, seq_len: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

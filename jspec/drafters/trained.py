@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.drafters.base import Capabilities, ChainDrafter, DraftContext, Proposal
 from jspec.errors import JspecError
 from jspec.models.config import ModelConfig
 from jspec.models.llama import rms_norm, rope
@@ -222,6 +223,56 @@ class Pending:
     feats: jax.Array  # f32[B, M, F, D] rms-normalised features at positions start + m
     start: jax.Array  # i32[B]
     count: jax.Array  # i32[B] valid entries (accepted drafts + 1)
+
+
+class TrainedDrafter(ChainDrafter):
+    """What EAGLE-3, DFlash (and D²SD's drafters) share: a `DrafterConfig` `cfg`, a VAT `cut`,
+    target features (`Pending`, ingested at the next propose) and proposals that carry the
+    confidences and hidden states their state records (`conf`, `hidden`)."""
+
+    cfg: DrafterConfig
+    cut: float
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """Target layers the forward is asked for (sorted, unique; `in_config_order`)."""
+        return forward_layers(self.cfg.feature_layers)
+
+    @property
+    def feature_norm(self) -> str:
+        """"rms" (jspec's drafters) or "none" (raw hidden states: imported checkpoints)."""
+        return self.cfg.feature_norm
+
+    @property
+    def may_abstain(self) -> bool:
+        """With a VAT cut a drafter withdraws drafts (-1), possibly all of a round's."""
+        return self.cut > 0
+
+    @property
+    def hidden_size(self) -> int:
+        return self.cfg.hidden_size
+
+    @property
+    def block_tokens(self) -> int:
+        """> 0 for block drafters that can `extend` (DFlash)."""
+        return 0
+
+    @property
+    def caps(self) -> Capabilities:
+        return Capabilities(feature_layers=self.feature_layers, feature_norm=self.feature_norm,
+                            may_abstain=self.may_abstain, block_tokens=self.block_tokens,
+                            hidden_size=self.hidden_size)
+
+    def draft(self, state: Any, ctx: DraftContext, k: int, sampling: Sampling,
+              key: jax.Array) -> tuple[Proposal, Any]:
+        tokens, q, state = self.propose(state, ctx, k, sampling, key)
+        return Proposal(tokens=tokens, q=q, conf=state.conf, hidden=state.hidden), state
+
+    def observe(self, state: Any, feats: jax.Array, start: jax.Array, count: jax.Array) -> Any:
+        """Features f32[B, M, F, D] of the verify block at positions start.., count valid:
+        pending until the next propose ingests them."""
+        return dataclasses.replace(state, pending=Pending(in_config_order(self.cfg, feats),
+                                                          start, count))
 
 
 def save_drafter(path: str | Path, cfg: DrafterConfig, params: Params, vocab_ids: np.ndarray,

@@ -50,3 +50,19 @@ class KVCache:
 
     def with_lengths(self, lengths: jax.Array) -> KVCache:
         return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
+
+    def compact_path(self, start: jax.Array, path: jax.Array) -> KVCache:
+        """Move the K/V of a tree's path nodes (written at slots start + node) to contiguous
+        slots start + depth, in every layer (what commits an accepted tree path).
+
+        Args:
+          start: i32[B] the slot of node 0 (the committed length before the round).
+          path: i32[B, D+1] node at each depth (path[:, 0] = 0 stays in place).
+        """
+        b, d1 = path.shape
+        rows = jnp.arange(b)[:, None]
+        src = start[:, None] + path[:, 1:]  # [B, D]
+        dst = start[:, None] + jnp.arange(1, d1, dtype=jnp.int32)[None]
+        ks = tuple(c.at[rows, :, dst].set(c[rows, :, src], mode="drop") for c in self.k)
+        vs = tuple(c.at[rows, :, dst].set(c[rows, :, src], mode="drop") for c in self.v)
+        return dataclasses.replace(self, k=ks, v=vs)

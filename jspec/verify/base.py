@@ -9,6 +9,8 @@ type), and implements
   init_state(batch, max_rounds)           -> its state pytree (lives in SpecState.verifier)
   verify(state, key, draft, q, logits, sampling, valid[, hidden=]) -> (n, next_token, state)
   plain_step(state)                       -> the state after a round that drafted nothing
+  verify_tree(state, key, tokens, parents, depth, valid, logits, sampling, max_depth)
+                                          -> (n, path, next_token, state)  (`supports.trees`)
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class Supports:
     greedy / sampled: temperature 0 / > 0.
     exact: every committed token is distributed exactly as the target's (greedy: identical).
       LibraSpec's per-row lengths and the tree walk rest on it.
-    trees: it verifies token trees (today the tree walk, `jspec.tree`, which is exact).
+    trees: it verifies token trees (`verify_tree`; Lossless: the tree walk, exact).
     needs_hidden: `verify` also takes `hidden=(drafter hidden, target hidden)` at the drafted
       positions (DIVERSED's context-level head).
     """
@@ -72,6 +74,14 @@ class Verifier:
                ) -> tuple[jax.Array, jax.Array, Any]:
         raise NotImplementedError
 
+    def verify_tree(self, vstate: Any, key: jax.Array, tokens: jax.Array, parents: jax.Array,
+                    depth: jax.Array, valid: jax.Array, target_logits: jax.Array,
+                    sampling: Sampling, max_depth: int
+                    ) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
+        """Verify a token tree (root = `last` at node 0; shapes as `jspec.verify.tree.walk`):
+        (n accepted, path i32[B, max_depth + 1], next token, state)."""
+        raise NotImplementedError(f"{self.name} does not verify trees")
+
 
 def check_verifier(verifier: Any, sampling: Sampling, *, target_config: Any, drafter: Any,
                    dynamic_length: bool, tree: bool) -> None:
@@ -89,7 +99,7 @@ def check_verifier(verifier: Any, sampling: Sampling, *, target_config: Any, dra
         raise JspecError("LibraSpec verifies losslessly: use verifier=jspec.Lossless() "
                          f"(got {type(verifier).__name__})")
     if tree and not s.trees:
-        raise JspecError(f"tree drafters (D2SD) verify by walking the tree, which is lossless: "
-                         f"use jspec.Lossless(), got {type(verifier).__name__}")
+        raise JspecError(f"tree drafters (D2SD, top-k trees) verify by walking the tree, which is "
+                         f"lossless: use jspec.Lossless(), got {type(verifier).__name__}")
     verifier.check(sampling)
     verifier.check_pair(target_config, drafter)

@@ -200,7 +200,7 @@ class Diversed(Verifier):
     def check_pair(self, target_config: Any, drafter: Any) -> None:
         """A learned head must fit the target's (and, context level, the drafter's) sizes."""
         if self.head is not None:
-            self.head.check(target_config, getattr(drafter, "hidden_size", None))
+            self.head.check(target_config, drafter.caps.hidden_size or None)
 
     def init_state(self, batch: int, max_rounds: int) -> DiversedState:
         n = max_rounds if self.record else 0

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jspec.errors import JspecError
 from jspec.sampling import Sampling, process_logits, sample_from_probs
 from jspec.verify.base import Supports, Verifier
+from jspec.verify.tree import verify_tree
 
 # Below this residual mass the residual is numerically empty: sample from p instead.
 RESIDUAL_EPS = 1e-8
@@ -40,7 +41,7 @@ class Lossless(Verifier):
 
     @property
     def supports(self) -> Supports:
-        """Every temperature, exact; the tree walk (`jspec.tree`) is this verifier for trees."""
+        """Every temperature, exact; for trees the walk (`jspec.verify.tree`)."""
         return Supports(trees=True)
 
     def verify(self, vstate: None, key: jax.Array, draft: jax.Array, q: jax.Array | None,
@@ -51,6 +52,14 @@ class Lossless(Verifier):
         else:
             n, nxt = verify_chain(key, draft, q, target_logits, sampling, valid)
         return n, nxt, vstate
+
+    def verify_tree(self, vstate: None, key: jax.Array, tokens: jax.Array, parents: jax.Array,
+                    depth: jax.Array, valid: jax.Array, target_logits: jax.Array,
+                    sampling: Sampling, max_depth: int
+                    ) -> tuple[jax.Array, jax.Array, jax.Array, None]:
+        n, path, nxt = verify_tree(key, tokens, parents, depth, valid, target_logits, sampling,
+                                   max_depth)
+        return n, path, nxt, vstate
 
 
 def fused_acceptance_supports(sampling: Sampling) -> bool:

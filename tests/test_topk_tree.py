@@ -1,0 +1,122 @@
+"""The top-k tree proposer around any chain drafter: the tree it builds, greedy identity with
+autoregressive decoding for several inner drafters and budgets, loading, errors, no
+recompiles. (Lossless at T = 1: tests/test_distribution.py::test_topk_tree_at_t1.)"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import pad_prompts as _pad
+from conftest import tiny_model
+from test_trained_drafters import PROMPTS, tiny_cfg
+
+import jspec
+from jspec.drafters import eagle3
+from jspec.drafters.topk_tree import TopKTree, top_k_tree
+from jspec.errors import JspecError
+
+
+def _q(rows: list[list[dict[int, float]]], v: int = 10) -> jnp.ndarray:
+    q = np.zeros((len(rows), len(rows[0]), v), np.float32)
+    for b, r in enumerate(rows):
+        for t, d in enumerate(r):
+            for tok, p in d.items():
+                q[b, t, tok] = p
+    return jnp.asarray(q)
+
+
+def test_tree_layout_budget_and_parents():
+    """Chain 1, 2, 3; level 0 also offers 7 (0.3) and 8 (0.1), level 1 offers 6 (0.4), level 2
+    offers 5 (0.3). Cumulative scores: 1 .6, 7 .3, 8 .1; 2 .36, 6 .24; 3 .252, 5 .108."""
+    q = _q([[{1: 0.6, 7: 0.3, 8: 0.1}, {2: 0.6, 6: 0.4}, {3: 0.7, 5: 0.3}]])
+    chain = jnp.asarray([[1, 2, 3]], jnp.int32)
+    # temperature 1: q are the drafter's probabilities as they are.
+    tok, par = top_k_tree(chain, q, 3, 9, 1.0)
+    # Every candidate, level by level (chain token first); a sibling of probability 0 is empty.
+    np.testing.assert_array_equal(tok[0], [1, 7, 8, 2, 6, -1, 3, 5, -1])
+    np.testing.assert_array_equal(par[0, [0, 1, 2, 3, 4, 6, 7]], [-1, -1, -1, 0, 0, 3, 3])
+    # Budget 5: 1, 2, 7, 3, 6 by score, in candidate order; parents renumbered.
+    tok, par = top_k_tree(chain, q, 3, 5, 1.0)
+    np.testing.assert_array_equal(tok[0], [1, 7, 2, 6, 3])
+    np.testing.assert_array_equal(par[0], [-1, -1, 0, 0, 2])
+    # Budget 2: the chain's first two tokens (a child never outranks its parent).
+    tok, par = top_k_tree(chain, q, 3, 2, 1.0)
+    np.testing.assert_array_equal(tok[0], [1, 2])
+    np.testing.assert_array_equal(par[0], [-1, 0])
+    # k = 1: the chain alone.
+    tok, par = top_k_tree(chain, q, 1, 3, 1.0)
+    np.testing.assert_array_equal(tok[0], [1, 2, 3])
+    np.testing.assert_array_equal(par[0], [-1, 0, 1])
+    # A drafter tempered to T = 0.5 reports q ∝ p²: the same tree once undone.
+    p = np.asarray(q)
+    q2 = p ** 2 / (p ** 2).sum(-1, keepdims=True)
+    tok2, par2 = top_k_tree(chain, jnp.asarray(q2), 3, 5, 0.5)
+    np.testing.assert_array_equal(par2[0], [-1, -1, 0, 0, 2])
+    np.testing.assert_array_equal(tok2[0], [1, 7, 2, 6, 3])
+
+
+def test_tree_of_a_gapped_chain_and_without_q():
+    """A chain that stops (-1 at level 1) has no nodes below the gap; without q (one-hot
+    drafts) the tree is the chain."""
+    q = _q([[{1: 0.6, 7: 0.4}, {2: 1.0}, {3: 1.0}]])
+    tok, _ = top_k_tree(jnp.asarray([[1, -1, 3]], jnp.int32), q, 2, 6, 1.0)
+    assert sorted(int(t) for t in tok[0] if t >= 0) == [1, 7]
+    tok, par = top_k_tree(jnp.asarray([[4, 5, 6]], jnp.int32), None, 3, 3, 1.0)
+    np.testing.assert_array_equal(tok[0], [4, 5, 6])
+    np.testing.assert_array_equal(par[0], [-1, 0, 1])
+
+
+def _eagle3(model):
+    cfg = tiny_cfg("eagle3", model)
+    vocab = np.sort(np.random.default_rng(0).permutation(model.config.vocab_size)[:64])
+    return eagle3.make(cfg, eagle3.init_params(cfg, jax.random.key(3)), vocab, model.weights)
+
+
+@pytest.mark.parametrize("inner,k,nodes,length", [
+    ("early-exit:1", 4, 16, 4), ("early-exit:1", 2, 5, 3), ("ngram", 3, 8, 3),
+    ("eagle3", 3, 9, 3)])
+def test_greedy_identity(inner, k, nodes, length):
+    """T = 0: token-identical to autoregressive decoding; more accepted than the chain alone
+    (early-exit), `drafted` counts the tree's nodes."""
+    base = tiny_model("llama_tied_gqa2", seed=1)
+    model = jspec.Model(config=base.config.replace(eos_ids=()), weights=base.weights)
+    d = _eagle3(model) if inner == "eagle3" else jspec.load_drafter(inner, target=model)
+    tree = TopKTree(inner=d, k=k, nodes=nodes)
+    ids, lens = _pad(PROMPTS)
+    ar = jspec.generate(model, ids, lens, max_new_tokens=24)
+    sp = jspec.generate(model, ids, lens, max_new_tokens=24, drafter=tree,
+                        length=jspec.FixedLength(length))
+    np.testing.assert_array_equal(np.asarray(sp.tokens), np.asarray(ar.tokens))
+    s = jax.device_get(sp.stats)
+    np.testing.assert_array_equal(s.drafted, min(nodes, k * length) * s.rounds)
+    if inner == "early-exit:1":
+        chain = jspec.generate(model, ids, lens, max_new_tokens=24, drafter=d,
+                               length=jspec.FixedLength(length))
+        assert s.accepted.sum() >= np.asarray(chain.stats.accepted).sum()
+
+
+def test_load_spec_errors_and_no_recompile():
+    base = tiny_model("llama_tied_gqa2", seed=1)
+    model = jspec.Model(config=base.config.replace(eos_ids=()), weights=base.weights)
+    d = jspec.load_drafter("early-exit:1+topk:k=3,nodes=7", target=model)
+    assert isinstance(d, TopKTree) and (d.k, d.nodes) == (3, 7) and d.caps.tree
+    assert d.caps.lookahead(2) == 6 and d.caps.lookahead(4) == 7
+    with pytest.raises(JspecError, match="unknown top-k tree option"):
+        jspec.load_drafter("early-exit:1+topk:depth=3", target=model)
+    with pytest.raises(JspecError, match="chain drafter"):
+        TopKTree(inner=d)
+    with pytest.raises(JspecError, match="k must be"):
+        TopKTree(inner=d.inner, k=0)
+    with pytest.raises(JspecError, match="Lossless"):
+        jspec.generate(model, *_pad(PROMPTS), max_new_tokens=4, drafter=d,
+                       verifier=jspec.ASD(), length=jspec.FixedLength(2))
+    ids, lens = _pad(PROMPTS)
+    kw = dict(max_new_tokens=8, drafter=d, length=jspec.FixedLength(3))
+    jspec.generate(model, ids, lens, **kw).tokens.block_until_ready()
+    from jspec.decode import _generate
+    before = _generate._cache_size()
+    ids2, lens2 = _pad([[40, 41, 42], [50], [3, 4], [60, 61, 62, 63]])
+    jspec.generate(model, ids2, lens2, key=jax.random.key(3), **kw).tokens.block_until_ready()
+    assert _generate._cache_size() == before
