@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -13,11 +14,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec import bench_batch
+import jspec
+from jspec import bench_batch, peer
 from jspec.cost import cost_curve, tree_cost
 from jspec.errors import JspecError
+from jspec.length import parse_length
+from jspec.models import registry
+from jspec.models.cache import KVCache
+from jspec.models.llama import forward
+from jspec.prompts import load_prompt_set
 from jspec.provenance import provenance
+from jspec.state import bucket_length
 from jspec.tables import print_table
+from jspec.tasks import score
+from jspec.verify import Lossless, parse_verifier, with_acceptance_impl
 
 AR_FLOAT32 = "autoregressive float32"  # the float32 baseline row of a --dtype bfloat16 run
 BENCH_PROMPT = ("Write a Python function that checks whether a string is a palindrome, "
@@ -38,9 +48,7 @@ def decode_tps(model: Any, prompt_ids: list[int], new_tokens: int, repeats: int,
                batch: int = 1) -> dict[str, float]:
     """Greedy autoregressive tokens/s of `jspec.generate` (prefill excluded by subtraction),
     summed over `batch` copies of the prompt decoded together."""
-    import dataclasses  # noqa: PLC0415
 
-    import jspec  # noqa: PLC0415
 
     # EOS is ignored so that every run decodes exactly `new_tokens` tokens.
     model = dataclasses.replace(model, config=model.config.replace(eos_ids=()))
@@ -63,9 +71,6 @@ def decode_tps(model: Any, prompt_ids: list[int], new_tokens: int, repeats: int,
 
 
 def baseline(args: argparse.Namespace) -> dict[str, Any]:
-    import jspec  # noqa: PLC0415
-    from jspec import peer  # noqa: PLC0415
-    from jspec.models import registry  # noqa: PLC0415
 
     model = jspec.load_model(args.model).with_attention_impl(args.attention_impl)
     prompt = model.encode(BENCH_PROMPT)
@@ -125,9 +130,6 @@ def baseline(args: argparse.Namespace) -> dict[str, Any]:
 def speculative(args: argparse.Namespace) -> dict[str, Any]:
     """Speculative rows: every drafter x K x temperature against autoregressive decoding of the
     same target on the same prompts, in one run. batch 1, prompts one at a time."""
-    import jspec  # noqa: PLC0415
-    from jspec.prompts import load_prompt_set  # noqa: PLC0415
-    from jspec.state import bucket_length  # noqa: PLC0415
 
     try:
         from tqdm import tqdm  # noqa: PLC0415
@@ -145,7 +147,6 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
     for i, e in enumerate(enc):
         padded[i, : len(e)] = e
     lengths = np.asarray([len(e) for e in enc], np.int32)
-    from jspec.verify import Lossless, parse_verifier, with_acceptance_impl  # noqa: PLC0415
 
     ks = [int(k) for k in args.ks.split(",")]
     # "name@K1/K2" gives a drafter its own speculation lengths (e.g. DFlash's block - 1).
@@ -179,7 +180,6 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
     loaded = {d: jspec.load_drafter(d, target=model) for d in drafters}
     # --lengths: dynamic length policies (LibraSpec) for the drafters that support them
     # (block drafters that can draft more blocks), lossless verification.
-    from jspec.length import parse_length  # noqa: PLC0415
 
     policies = {spec: parse_length(spec) for spec in filter(None, args.lengths.split(";"))}
     configs += [(t, d, spec, "lossless") for t in temps for d in drafters for spec in policies
@@ -301,10 +301,6 @@ def _quality(model: Any, enc: list[list[int]], rows: list[dict[str, Any]],
     """Per configuration: mean target NLL per generated token (the target scoring the output at
     temperature 1), the task score (HumanEval pass@1 / exact answer, `jspec.tasks`), and at T=0
     the fraction of outputs that differ from autoregressive greedy."""
-    from jspec.models.cache import KVCache  # noqa: PLC0415
-    from jspec.models.llama import forward  # noqa: PLC0415
-    from jspec.state import bucket_length  # noqa: PLC0415
-    from jspec.tasks import score  # noqa: PLC0415
 
     cfg = model.config
     width = bucket_length(max(len(e) for e in enc) + args.new_tokens)
@@ -344,8 +340,6 @@ def _hf_speculative_rows(args: argparse.Namespace, model: Any, enc: list[list[in
 
     Speedups in the table are relative to jspec's autoregressive row of the same run.
     """
-    from jspec import peer  # noqa: PLC0415
-    from jspec.models import registry  # noqa: PLC0415
 
     if args.no_peer or not peer.hf_available() or args.model not in registry.REGISTRY:
         return []
@@ -368,7 +362,6 @@ def _hf_speculative_rows(args: argparse.Namespace, model: Any, enc: list[list[in
 
 
 def main(args: argparse.Namespace) -> int:
-    from jspec.errors import JspecError  # noqa: PLC0415
 
     if not args.baseline and not args.drafters and not args.batch_sizes:
         raise JspecError("nothing to measure: pass --baseline, --drafters and/or --batch-sizes")

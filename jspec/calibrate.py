@@ -27,8 +27,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jspec
+from jspec.bench import _median_time
 from jspec.cost import forward_times
+from jspec.decode import _init_jit
+from jspec.drafters.base import DraftContext
 from jspec.errors import JspecError
+from jspec.length import LibraSpec, default_widths
+from jspec.models.llama import forward
+from jspec.prompts import load_prompt_set
+from jspec.state import bucket_length, cache_capacity, commit, features
+from jspec.verify.lossless import leading_true
 
 
 def algorithm1(conf: np.ndarray, n: int, d_max: int, alpha: float) -> tuple[int, int]:
@@ -58,13 +67,6 @@ def probe(model: Any, drafter: Any, prompts: list[list[int]], d_max: int, max_ne
 
     Returns (conf f32[R, d_max], oracle i32[R]) over all rounds of all prompts.
     """
-    import jspec  # noqa: PLC0415
-    from jspec.decode import _init_jit  # noqa: PLC0415
-    from jspec.drafters.base import DraftContext  # noqa: PLC0415
-    from jspec.length import LibraSpec  # noqa: PLC0415
-    from jspec.models.llama import forward  # noqa: PLC0415
-    from jspec.state import bucket_length, cache_capacity, commit, features  # noqa: PLC0415
-    from jspec.verify.lossless import leading_true  # noqa: PLC0415
 
     cfg = model.config
     greedy = jspec.Sampling()
@@ -129,12 +131,6 @@ def verify_times(model: Any, ks: list[int], fill: int, repeats: int) -> dict[int
 
 def block_time(model: Any, drafter: Any, fill: int, repeats: int) -> float:
     """Seconds per drafter block (`extend`) with `fill` context slots."""
-    import jspec  # noqa: PLC0415
-    from jspec.bench import _median_time  # noqa: PLC0415
-    from jspec.decode import _init_jit  # noqa: PLC0415
-    from jspec.drafters.base import DraftContext  # noqa: PLC0415
-    from jspec.length import LibraSpec  # noqa: PLC0415
-    from jspec.state import cache_capacity  # noqa: PLC0415
 
     ids = jnp.full((1, fill), 42, jnp.int32)
     state = _init_jit(model.weights, drafter, jspec.Lossless(), ids,
@@ -183,9 +179,6 @@ def simulate(conf: np.ndarray, oracle: np.ndarray, t_verify: dict[int, float], t
 
 
 def main(args: argparse.Namespace) -> int:
-    import jspec  # noqa: PLC0415
-    from jspec.length import default_widths  # noqa: PLC0415
-    from jspec.prompts import load_prompt_set  # noqa: PLC0415
 
     try:
         from tqdm import tqdm  # noqa: PLC0415

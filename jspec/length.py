@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jspec.drafters.base import Capabilities, DraftContext, Proposal
 from jspec.errors import JspecError
 from jspec.sampling import Sampling
+from jspec.specs import Registry, ints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,34 +266,26 @@ def epsilon_star(conf: jax.Array, d: jax.Array, alpha: float) -> jax.Array:
     return jnp.min(eps, axis=1)
 
 
+def _fixed(k: int | None = None) -> FixedLength:
+    if k is None:
+        raise JspecError("bad length spec 'fixed': expected fixed:K")
+    return FixedLength(k)
+
+
+def _libraspec(**kw: Any) -> LibraSpec:
+    if "d_max" in kw and "n" not in kw:  # a smaller cap than the default n: n = the cap
+        kw["n"] = min(LibraSpec.n, kw["d_max"])
+    return LibraSpec(**kw)
+
+
+LENGTHS = Registry("length policy")
+LENGTHS.register("fixed", _fixed, {"k": int}, positional="k", usage="K")
+LENGTHS.register("libraspec", _libraspec,
+                 {"n": int, "d_max": int, "alpha": float, "widths": ints},
+                 usage="n=N,d_max=D,alpha=A,widths=W1/W2/...")
+
+
 def parse_length(spec: str) -> FixedLength | LibraSpec:
     """`fixed:K` or `libraspec[:n=N,d_max=D,alpha=A,widths=1/2/4/8]` (the CLI's --length);
     with d_max below the default n and no n given, n = d_max."""
-    kind, _, arg = spec.partition(":")
-    if kind == "fixed":
-        try:
-            return FixedLength(int(arg))
-        except ValueError as e:
-            raise JspecError(f"bad length spec {spec!r}: expected fixed:K") from e
-    if kind == "libraspec":
-        kw: dict = {}
-        for part in filter(None, arg.split(",")):
-            key, sep, val = part.partition("=")
-            key = key.strip().replace("-", "_")
-            if not sep or key not in ("n", "d_max", "alpha", "widths"):
-                raise JspecError(f"bad LibraSpec option {part!r}: use n=N, d_max=D, alpha=A, "
-                                 "widths=W1/W2/...")
-            try:
-                if key == "alpha":
-                    kw[key] = float(val)
-                elif key == "widths":
-                    kw[key] = tuple(int(x) for x in val.split("/"))
-                else:
-                    kw[key] = int(val)
-            except ValueError as e:
-                raise JspecError(f"bad LibraSpec value in {part!r}") from e
-        if "d_max" in kw and "n" not in kw:  # a smaller cap than the default n: n = the cap
-            kw["n"] = min(LibraSpec.n, kw["d_max"])
-        return LibraSpec(**kw)
-    raise JspecError(f"unknown length policy {spec!r} (available: fixed:K, "
-                     "libraspec[:n=N,d_max=D,alpha=A])")
+    return LENGTHS.parse(spec)

@@ -16,6 +16,8 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from jspec.errors import JspecError
 
@@ -82,3 +84,26 @@ def check_fits(lower: Any, batch: int, estimate: int, free: int | None,
                      f"{free / GiB:.1f} GiB is free: it would not fit. The largest batch that "
                      f"would: about {largest} (or lower max_new_tokens / the speculation "
                      "length). Set JSPEC_MEMORY_CHECK=0 to use the estimate alone.")
+
+
+def per_device_bytes(tree: Any, specs: Any, mesh: Mesh | AbstractMesh) -> int:
+    """Bytes one device holds of `tree` (arrays or ShapeDtypeStructs) laid out by `specs`.
+
+    Each dimension is divided by the product of the mesh axes its PartitionSpec entry names
+    (no allocation: works on `jax.eval_shape` output and an AbstractMesh).
+    """
+    sizes = dict(mesh.shape)
+    total = 0
+    leaves = jax.tree.leaves(tree)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    if len(leaves) != len(spec_leaves):
+        raise JspecError("specs do not match the tree")
+    for a, s in zip(leaves, spec_leaves, strict=True):
+        n = 1
+        entries = tuple(s) + (None,) * (len(a.shape) - len(tuple(s)))
+        for dim, entry in zip(a.shape, entries, strict=True):
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            div = int(np.prod([sizes[x] for x in axes])) if axes else 1
+            n *= -(-dim // div)
+        total += n * a.dtype.itemsize  # (PRNG key dtypes too)
+    return int(total)

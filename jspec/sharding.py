@@ -40,6 +40,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jspec.errors import JspecError
+from jspec.memory import per_device_bytes
 
 __all__ = ["DATA", "MODEL", "PARAM_AXES", "RULES", "STATE_AXES", "Axes", "auto_mesh", "constrain",
            "head_dim_of", "logical_spec", "make_mesh", "named", "param_specs", "params_sharding",
@@ -404,30 +405,6 @@ def shard_drafter(drafter: Any, mesh: Mesh) -> Any:
         return drafter
     mesh = resolve_mesh(mesh)
     return place(drafter, params_sharding(drafter, mesh, head_dim=head_dim_of(drafter)))
-
-
-# ----------------------------------------------------------------------------- accounting
-def per_device_bytes(tree: Any, specs: Any, mesh: Mesh | AbstractMesh) -> int:
-    """Bytes one device holds of `tree` (arrays or ShapeDtypeStructs) laid out by `specs`.
-
-    Each dimension is divided by the product of the mesh axes its PartitionSpec entry names
-    (no allocation: works on `jax.eval_shape` output and an AbstractMesh).
-    """
-    sizes = dict(mesh.shape)
-    total = 0
-    leaves = jax.tree.leaves(tree)
-    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    if len(leaves) != len(spec_leaves):
-        raise JspecError("specs do not match the tree")
-    for a, s in zip(leaves, spec_leaves, strict=True):
-        n = 1
-        entries = tuple(s) + (None,) * (len(a.shape) - len(tuple(s)))
-        for dim, entry in zip(a.shape, entries, strict=True):
-            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-            div = int(np.prod([sizes[x] for x in axes])) if axes else 1
-            n *= -(-dim // div)
-        total += n * a.dtype.itemsize  # (PRNG key dtypes too)
-    return int(total)
 
 
 # ----------------------------------------------------------------------------- shard_map

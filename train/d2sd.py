@@ -23,14 +23,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
-import time
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jspec.drafters import d2sd
 from jspec.drafters.loading import ASSETS, SHIPPED
@@ -42,16 +41,17 @@ from jspec.drafters.trained import (
     load_drafter_file,
     save_drafter,
 )
+from jspec.models.model import load_model
 from train.drafters import (
     Rows,
     batches_for,
     coverage,
     data_layers,
-    finish_checkpoints,
     load_rows,
     make_batch,
     sample_positions,
 )
+from train.loop import Loop, optimizer, run_loop
 
 
 def resolve_init(init: str) -> tuple[Path, str]:
@@ -125,7 +125,6 @@ def forward_blocks(cfg: DrafterConfig, params: Params, frozen: dict[str, Any],
 def train_step(params: Params, opt_state: Any, frozen: dict[str, Any], batch: dict[str, jax.Array],
                *, cfg: DrafterConfig, tx: Any, tau: float
                ) -> tuple[Params, Any, dict[str, jax.Array]]:
-    import optax  # noqa: PLC0415
 
     def loss_fn(p):
         return block_loss(*forward_blocks(cfg, p, frozen, batch), tau=tau)
@@ -175,11 +174,7 @@ def evaluate(args: argparse.Namespace, rows: Rows, plan: list, feat_idx: list[in
 
 
 def run(args: argparse.Namespace) -> int:
-    import optax  # noqa: PLC0415
-    import orbax.checkpoint as ocp  # noqa: PLC0415
-    from tqdm import tqdm  # noqa: PLC0415
 
-    from jspec.models.model import load_model  # noqa: PLC0415
 
     if not 0 < args.beta <= 1 or args.tau <= 0:
         raise SystemExit("error: need 0 < --beta <= 1 and --tau > 0")
@@ -220,53 +215,19 @@ def run(args: argparse.Namespace) -> int:
           f"draft vocab covers {coverage(rows, vocab):.1%} of training response tokens",
           flush=True)
     params = {k: v for k, v in params0.items() if k not in FROZEN}
-    warmup = min(args.warmup, max(args.steps - 1, 0))
-    sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, max(args.steps, warmup + 1),
-                                               end_value=args.lr * 0.05)
-    tx = optax.chain(optax.clip_by_global_norm(args.clip),
-                     optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=args.weight_decay))
+    tx = optimizer(args)
     opt_state = tx.init(params)
-    mngr = ocp.CheckpointManager(out / "ckpt", options=ocp.CheckpointManagerOptions(
-        max_to_keep=2, save_interval_steps=args.ckpt_every))
-    step = 0
-    log = open(out / "log.jsonl", "a")  # noqa: SIM115 (closed at the end)
-    if mngr.latest_step() is not None:
-        step = int(mngr.latest_step())
-        restored = mngr.restore(step, args=ocp.args.StandardRestore(
-            {"params": params, "opt_state": opt_state}))
-        params, opt_state = restored["params"], restored["opt_state"]
-        print(f"resumed from the checkpoint at step {step}", flush=True)
-    elif args.eval_every and held_plan:
-        ev = evaluate(args, held, held_plan, feat_idx, cfg, params, frozen)
-        print(f"step 0 (the first drafter): held-out tau_sim {ev['tau_sim']:.3f} "
-              f"acc_first {ev['acc_first']:.3f} loss {ev['loss']:.3f}", flush=True)
-        log.write(json.dumps({"step": 0, **{f"heldout_{k}": v for k, v in ev.items()}}) + "\n")
-    bar = tqdm(range(step, args.steps), initial=step, total=args.steps, unit="step",
-               dynamic_ncols=True)
-    t0 = time.perf_counter()
-    ema: dict[str, float] = {}
-    for step in bar:
+
+    def step_fn(params, opt_state, step):
         batch = batch_for_step(args, rows, plan, step, feat_idx, gamma)
-        params, opt_state, m = train_step(params, opt_state, frozen,
-                                          {k: jnp.asarray(v) for k, v in batch.items()},
-                                          cfg=cfg, tx=tx, tau=args.tau)
-        m = {k: float(v) for k, v in m.items()}
-        for k, v in m.items():
-            ema[k] = v if k not in ema else 0.9 * ema[k] + 0.1 * v
-        bar.set_postfix(loss=f"{ema['loss']:.3f}", acc_first=f"{ema['acc_first']:.2f}",
-                        tau_sim=f"{ema['tau_sim']:.2f}")
-        rec = {"step": step + 1, **m, "time": time.perf_counter() - t0}
-        done = step + 1
-        if args.eval_every and (done % args.eval_every == 0 or done == args.steps):
-            ev = evaluate(args, held, held_plan, feat_idx, cfg, params, frozen)
-            rec.update({f"heldout_{k}": v for k, v in ev.items()})
-            bar.write(f"step {done}: held-out tau_sim {ev['tau_sim']:.3f} "
-                      f"acc_first {ev['acc_first']:.3f} loss {ev['loss']:.3f}")
-        log.write(json.dumps(rec) + "\n")
-        log.flush()
-        mngr.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
-    log.close()
-    finish_checkpoints(mngr, args.steps, {"params": params, "opt_state": opt_state})
+        return train_step(params, opt_state, frozen, {k: jnp.asarray(v) for k, v in batch.items()},
+                          cfg=cfg, tx=tx, tau=args.tau)
+
+    loop = Loop(step=step_fn, shown=("loss", "acc_first", "tau_sim"), eval_at_start=True,
+                evaluate=(lambda p: evaluate(args, held, held_plan, feat_idx, cfg, p, frozen))
+                if held_plan else None)
+    params, _, _ = run_loop(loop, params, opt_state, out, steps=args.steps,
+                            ckpt_every=args.ckpt_every, eval_every=args.eval_every)
     final = out / f"{args.name or 'd2sd'}.safetensors"
     save_drafter(final, cfg, {**params, **stats}, vocab,
                  dtype="float32" if args.f32 else "bfloat16",

@@ -42,10 +42,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from jspec.models.cache import KVCache
 from jspec.models.config import ModelConfig
 from jspec.models.llama import Weights, forward, lm_logits, rms_normalize
+from jspec.models.model import load_model
+from jspec.models.registry import REGISTRY, converted_dir
+from jspec.prompts import load_prompt_set
 from jspec.sampling import Sampling, sample
 from jspec.state import bucket_length, is_eos
 
@@ -119,7 +123,6 @@ def load_hf_target(model_name: str) -> Any:
     import torch  # noqa: PLC0415
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
-    from jspec.models.registry import REGISTRY, converted_dir  # noqa: PLC0415
 
     path = converted_dir(REGISTRY[model_name]) if model_name in REGISTRY else model_name
     torch.set_num_threads(os.cpu_count() or 1)
@@ -219,10 +222,7 @@ def load_shard(path: Path, mmap: bool = False) -> Shard:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm  # noqa: PLC0415
 
-    from jspec.models.model import load_model  # noqa: PLC0415
-    from jspec.prompts import load_prompt_set  # noqa: PLC0415
 
     if args.samples < 1:
         raise SystemExit(f"error: --samples must be >= 1, got {args.samples}")

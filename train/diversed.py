@@ -36,7 +36,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from tqdm import tqdm
 
+import jspec
+from jspec.errors import JspecError
+from jspec.prompts import load_prompt_set
+from jspec.state import bucket_length
+from jspec.tasks import agreement, score
+from jspec.verify.diversed import Diversed, DiversedHead, ensemble_logprob
 from train.drafters import finish_checkpoints
 
 DEFAULT_PROMPTS = "math:64-364"  # the training split of the math set (train.datagen.SPLITS)
@@ -48,7 +57,6 @@ def loss_fn(head: Any, batch: dict[str, jax.Array], reg: float) -> tuple[jax.Arr
     batch: p_y, q_y, tv f32[B, N]; mask bool[B, N] (tokens decided by ν, inside the output);
     feats f32[B, N, Din]; adv f32[B] (reward − baseline).
     """
-    from jspec.verify.diversed import ensemble_logprob  # noqa: PLC0415
 
     feats = batch["feats"] if batch["feats"].shape[-1] else None
     logp, w = ensemble_logprob(head, 0.5, batch["p_y"], batch["q_y"], feats)
@@ -68,7 +76,6 @@ def labelled(row: dict[str, Any], reward: str) -> bool:
 
 def rewards(rows: list[dict[str, Any]], outs: list[list[int]], refs: list[list[int] | None],
             decode: Any, reward: str = "task") -> list[float]:
-    from jspec.tasks import agreement, score  # noqa: PLC0415
 
     r = []
     for row, out, ref in zip(rows, outs, refs, strict=True):
@@ -78,15 +85,7 @@ def rewards(rows: list[dict[str, Any]], outs: list[list[int]], refs: list[list[i
 
 
 def run(args: argparse.Namespace) -> int:
-    import optax  # noqa: PLC0415
-    import orbax.checkpoint as ocp  # noqa: PLC0415
-    from tqdm import tqdm  # noqa: PLC0415
 
-    import jspec  # noqa: PLC0415
-    from jspec.errors import JspecError  # noqa: PLC0415
-    from jspec.prompts import load_prompt_set  # noqa: PLC0415
-    from jspec.state import bucket_length  # noqa: PLC0415
-    from jspec.verify.diversed import Diversed, DiversedHead  # noqa: PLC0415
 
     if args.steps < 0 or args.batch < 1 or args.k < 1 or args.reg < 0:
         raise JspecError("--steps >= 0, --batch >= 1, --k >= 1 and --reg >= 0 are required")

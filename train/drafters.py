@@ -24,13 +24,13 @@ import functools
 import glob
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import Mesh, NamedSharding
 
 from jspec import launch, sharding
@@ -44,31 +44,9 @@ from jspec.drafters.trained import (
     verify_head,
 )
 from jspec.errors import JspecError
-from jspec.plot import plot_training
+from jspec.models.model import load_model
 from train.datagen import load_shard
-
-
-def finish_checkpoints(mngr: Any, steps: int, state: dict[str, Any]) -> None:
-    """Wait for the asynchronous Orbax saves and make sure step `steps` is saved (a rerun that
-    found every step done still leaves its final checkpoint)."""
-    import orbax.checkpoint as ocp  # noqa: PLC0415
-
-    mngr.wait_until_finished()
-    if steps > 0 and mngr.latest_step() != steps:
-        mngr.save(steps, args=ocp.args.StandardSave(state), force=True)
-        mngr.wait_until_finished()
-
-
-def plot_log(log: Path) -> Path | None:
-    """training.png (loss, held-out τ) next to the run's log.jsonl, when matplotlib is
-    installed (the `plot` extra); None otherwise."""
-    try:
-        path = plot_training(log, log.with_name("training.png"))
-    except JspecError as e:  # no matplotlib, or an empty log
-        print(f"no training plot: {e}", flush=True)
-        return None
-    print(f"wrote {path}", flush=True)
-    return path
+from train.loop import Loop, finish_checkpoints, optimizer, plot_log, run_loop  # noqa: F401
 
 
 def data_layers(data: str) -> tuple[int, ...]:
@@ -337,7 +315,6 @@ def train_step(params: Params, opt_state: Any, frozen: dict[str, jax.Array],
                ) -> tuple[Params, Any, dict[str, jax.Array]]:
     """One optimizer step. `mesh` (static): keep params / moments / batch in their rules-table
     layout (`shard_for_training`); the gradient all-reduce over `data` is the compiler's."""
-    import optax  # noqa: PLC0415
 
     def pin(p, o):
         if mesh is None:
@@ -447,11 +424,7 @@ def evaluate(args, rows, plan, feat_idx, cfg, params, frozen, mesh=None) -> dict
 
 
 def run(args: argparse.Namespace) -> int:
-    import optax  # noqa: PLC0415
-    import orbax.checkpoint as ocp  # noqa: PLC0415
-    from tqdm import tqdm  # noqa: PLC0415
 
-    from jspec.models.model import load_model  # noqa: PLC0415
 
     if args.vat:
         args.vat_head = args.vat_weight = True
@@ -511,59 +484,27 @@ def run(args: argparse.Namespace) -> int:
     # first logits are near-uniform in the target's geometry (the target's full scale on random
     # hidden states starts at ~20 nats of cross-entropy instead of ~8).
     params["final_norm"] = 0.2 * jnp.asarray(target.weights.final_norm, jnp.float32)
-    warmup = min(args.warmup, max(args.steps - 1, 0))
-    sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, max(args.steps, warmup + 1),
-                                               end_value=args.lr * 0.05)
-    tx = optax.chain(optax.clip_by_global_norm(args.clip),
-                     optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=args.weight_decay))
+    tx = optimizer(args)
     opt_state = tx.init(params)
     if mesh is not None:  # before a restore, which then fills the placed layout
         params, opt_state, frozen = shard_for_training(mesh, cfg, params, opt_state, frozen)
         say(f"mesh {dict(mesh.shape)}: batch rows over data, heads / MLP / vocabulary over "
               "model", flush=True)
-    mngr = ocp.CheckpointManager(out / "ckpt", options=ocp.CheckpointManagerOptions(
-        max_to_keep=2, save_interval_steps=args.ckpt_every))
-    step = 0
-    if mngr.latest_step() is not None:
-        step = int(mngr.latest_step())
-        abstract = {"params": params, "opt_state": opt_state}
-        restored = mngr.restore(step, args=ocp.args.StandardRestore(abstract))
-        params, opt_state = restored["params"], restored["opt_state"]
-        say(f"resumed from the checkpoint at step {step}", flush=True)
-    log = open(out / "log.jsonl" if writer else os.devnull, "a")  # noqa: SIM115 (closed at the end)
     statics = dict(kind=cfg.kind, cfg=cfg, tx=tx, vat_head=args.vat_head,
                    vat_weight=args.vat_weight, mesh=mesh)
-    # --stop-after: end at that step with a checkpoint (the schedule is still the --steps run's).
-    end = max(step, min(args.steps, args.stop_after)) if args.stop_after else args.steps
-    bar = tqdm(range(step, end), initial=step, total=args.steps, unit="step",
-               dynamic_ncols=True, disable=not writer)
-    t0 = time.perf_counter()
-    ema: dict[str, float] = {}
-    for step in bar:
+
+    def step_fn(params, opt_state, step):
         batch = step_batch(args, rows, plan, step, feat_idx, cfg, mesh)
-        params, opt_state, m = train_step(params, opt_state, frozen, batch, **statics)
-        m = {k: float(v) for k, v in m.items()}
-        for k, v in m.items():
-            ema[k] = v if k not in ema else 0.9 * ema[k] + 0.1 * v
-        bar.set_postfix(loss=f"{ema['loss']:.3f}", acc1=f"{ema['acc1']:.2f}",
-                        tau_sim=f"{ema['tau_sim']:.2f}")
-        rec = {"step": step + 1, **m, "time": time.perf_counter() - t0}
-        done = step + 1
-        if args.eval_every and (done % args.eval_every == 0 or done == args.steps):
-            ev = evaluate(args, held, held_plan, feat_idx, cfg, params, frozen, mesh)
-            rec.update({f"heldout_{k}": v for k, v in ev.items()})
-            if writer:
-                bar.write(f"step {done}: held-out tau_sim {ev['tau_sim']:.3f} acc1 {ev['acc1']:.3f}")
-        log.write(json.dumps(rec) + "\n")
-        log.flush()
-        mngr.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
-    log.close()
-    if writer:
-        plot_log(out / "log.jsonl")
-    finish_checkpoints(mngr, end, {"params": params, "opt_state": opt_state})
+        return train_step(params, opt_state, frozen, batch, **statics)
+
+    loop = Loop(step=step_fn, shown=("loss", "acc1", "tau_sim"),
+                evaluate=lambda p: evaluate(args, held, held_plan, feat_idx, cfg, p, frozen,
+                                            mesh))
+    # --stop-after: end at that step with a checkpoint (the schedule is still the --steps run's).
+    params, opt_state, end = run_loop(loop, params, opt_state, out, steps=args.steps,
+                                      ckpt_every=args.ckpt_every, eval_every=args.eval_every,
+                                      stop_after=args.stop_after, writer=writer, say=say)
     if end < args.steps:
-        say(f"stopped after step {end} of {args.steps} (checkpointed; run again without "
-            "--stop-after to go on)", flush=True)
         return 0
     final = out / f"{args.name or cfg.kind}.safetensors"
     if jax.process_count() > 1:  # shards on other hosts: gather the full arrays everywhere

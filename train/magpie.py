@@ -24,6 +24,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import jax
+import numpy as np
+from tqdm import tqdm
+
+import jspec
+from jspec.prompts import load_prompt_set
+from train.datagen import SPLITS
+
 SENTINEL = "\u2063MAGPIE\u2063"
 OVERLAP_N = 8  # word n-gram length of the held-out overlap check
 DUP_JACCARD = 0.6
@@ -83,8 +91,6 @@ class Dedup:
 
 
 def heldout_texts() -> list[str]:
-    from jspec.prompts import load_prompt_set  # noqa: PLC0415 (reads packaged data)
-    from train.datagen import SPLITS  # noqa: PLC0415 (datagen imports JAX models)
 
     return [r["text"] for held, _ in SPLITS.values() for r in load_prompt_set(held)]
 
@@ -100,11 +106,7 @@ def pre_query_ids(model: Any) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import jax  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
-    from tqdm import tqdm  # noqa: PLC0415
 
-    import jspec  # noqa: PLC0415
 
     out = Path(args.out)
     state_path = out.with_suffix(out.suffix + ".state.json")

@@ -64,197 +64,35 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import struct
 from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from jspec.drafters import dflash, eagle3
-from jspec.drafters.trained import DrafterConfig, Params, check_target, shared_inputs
+from jspec.drafters.ckpt_fields import (  # noqa: F401  (re-exported)
+    DFLASH_ARCHS,
+    EAGLE3_ARCHS,
+    REFUSED_ARCHS,
+    _architecture,
+    _Fields,
+    _no_sliding_window,
+    _rope,
+    checkpoint_kind,
+)
+from jspec.drafters.interop_export import export_drafter  # noqa: F401  (re-exported)
+from jspec.drafters.st_io import (  # noqa: F401  (re-exported)
+    EXTRA_FILE,
+    FORMATS,
+    IGNORED,
+    WEIGHTS_FILE,
+    _read_dir_tensors,
+    read_safetensors,
+    write_safetensors,
+)
+from jspec.drafters.trained import DrafterConfig, Params, check_target
 from jspec.errors import JspecError
-from jspec.models.config import ModelConfig
-
-EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
-DFLASH_ARCHS = ("DFlashDraftModel",)
-# Drafter architectures recognised only to be refused with a reason.
-REFUSED_ARCHS = {
-    "DFlash2DraftModel": "DFlash2 (grouped convolutions + a candidate selector) is not supported",
-    "Eagle3Speculator": "the vLLM `speculators` layout is not supported: use the "
-                        "SpecForge / vLLM `LlamaForCausalLMEagle3` layout",
-    "EagleLlamaForCausalLM": "EAGLE-1/2 drafters are not supported (EAGLE-3 only)",
-}
-FORMATS = ("eagle3", "dflash")
-EXTRA_FILE = "jspec_extra.safetensors"  # jspec's additions, outside the engines' tensor files
-WEIGHTS_FILE = "model.safetensors"
-# Bookkeeping fields that do not change what the drafter computes.
-IGNORED = frozenset({
-    "_name_or_path", "transformers_version", "torch_dtype", "dtype", "initializer_range",
-    "use_cache", "attention_dropout", "bos_token_id", "eos_token_id", "pad_token_id",
-    "tie_word_embeddings", "max_window_layers", "auto_map", "max_position_embeddings",
-    "use_return_dict", "output_hidden_states"})
-
-_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
-              "BF16": ml_dtypes.bfloat16, "I64": np.int64, "I32": np.int32, "I16": np.int16,
-              "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
-
-
-# ----------------------------------------------------------------------------- safetensors
-def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
-    """Every tensor of a safetensors file as numpy (bfloat16 through ml_dtypes: the numpy
-    reader of the `safetensors` package refuses it)."""
-    path = Path(path)
-    try:
-        raw = np.memmap(path, dtype=np.uint8, mode="r")
-        (n,) = struct.unpack("<Q", bytes(raw[:8]))
-        header = json.loads(bytes(raw[8:8 + n]))
-    except (OSError, ValueError, struct.error) as e:
-        raise JspecError(f"cannot read {path} (not safetensors?): {e}") from e
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dt = _ST_DTYPES.get(info.get("dtype"))
-        if dt is None:
-            raise JspecError(f"{path}: tensor {name} has unsupported dtype {info.get('dtype')}")
-        a, b = info["data_offsets"]
-        buf = raw[8 + n + a: 8 + n + b]
-        out[name] = np.asarray(buf.view(dt).reshape(info["shape"]))
-    return out
-
-
-def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray]) -> None:
-    """safetensors with the `format: pt` metadata that transformers' loader asks for."""
-    from safetensors.numpy import save_file  # noqa: PLC0415 (only when writing)
-
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path),
-              metadata={"format": "pt"})
-
-
-def _read_dir_tensors(path: Path) -> dict[str, np.ndarray]:
-    files = sorted(f for f in path.glob("*.safetensors") if f.name != EXTRA_FILE)
-    if not files:
-        bins = sorted(p.name for p in path.glob("*.bin"))
-        hint = f" ({', '.join(bins)}: convert it to safetensors first)" if bins else ""
-        raise JspecError(f"{path} has no *.safetensors weights{hint}")
-    tensors: dict[str, np.ndarray] = {}
-    for f in files:
-        tensors.update(read_safetensors(f))
-    return tensors
-
-
-# ----------------------------------------------------------------------------- config reading
-class _Fields:
-    """A config dict read field by field; what was never read is an unknown field."""
-
-    def __init__(self, d: dict[str, Any], where: str, ignored: frozenset[str] = frozenset()):
-        if not isinstance(d, dict):
-            raise JspecError(f"{where} must be a JSON object")
-        self.d, self.where, self.used, self.ignored = d, where, set(), ignored
-
-    def has(self, key: str) -> bool:
-        self.used.add(key)
-        return self.d.get(key) is not None
-
-    def get(self, key: str, typ: type, default: Any = None, required: bool = False) -> Any:
-        self.used.add(key)
-        v = self.d.get(key)
-        if v is None:
-            if required:
-                raise JspecError(f"{self.where}: missing required field {key!r}")
-            return default
-        try:
-            if typ is int:
-                if isinstance(v, bool) or float(v) != int(v):
-                    raise ValueError(v)
-                return int(v)
-            if typ is bool:
-                if not isinstance(v, bool):
-                    raise ValueError(v)
-                return v
-            if typ in (list, dict):
-                if not isinstance(v, typ):
-                    raise ValueError(v)
-                return v
-            return typ(v)
-        except (TypeError, ValueError) as e:
-            raise JspecError(f"{self.where}: field {key!r} = {v!r} is not a valid "
-                             f"{typ.__name__}") from e
-
-    def expect(self, key: str, allowed: tuple[Any, ...], why: str = "") -> None:
-        """The field is absent, null or one of `allowed` (anything else changes the model)."""
-        self.used.add(key)
-        v = self.d.get(key)
-        if v is not None and v not in allowed:
-            raise JspecError(f"{self.where}: unsupported {key} = {v!r} (jspec reads "
-                             f"{' or '.join(map(repr, allowed))}{'; ' + why if why else ''})")
-
-    def finish(self) -> None:
-        unknown = sorted(set(self.d) - self.used - self.ignored)
-        if unknown:
-            raise JspecError(f"{self.where}: unknown field(s) {unknown}; jspec does not know "
-                             "what they change, so it refuses rather than guess")
-
-
-def _rope(f: _Fields, head_dim: int) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
-    """(rope_theta, rope_scaling pairs) from `rope_theta` / `rope_scaling` or transformers-5
-    `rope_parameters`; LlamaConfig's default theta 10000 when none is given."""
-    theta = f.get("rope_theta", float)
-    scaling = f.get("rope_scaling", dict)
-    rp = f.get("rope_parameters", dict)
-    if rp is not None:
-        theta = float(rp.get("rope_theta", theta if theta is not None else 10000.0))
-        if rp.get("rope_type", "default") != "default":
-            scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
-    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
-        scaling = None
-    pairs = (None if scaling is None else
-             tuple(sorted((k, v) for k, v in scaling.items() if isinstance(v, (int, float, str)))))
-    theta = 10000.0 if theta is None else theta
-    try:
-        ModelConfig(head_dim=head_dim, rope_theta=theta, rope_scaling=pairs)
-    except JspecError as e:
-        raise JspecError(f"{f.where}: field 'rope_scaling': {e}") from e
-    return theta, pairs
-
-
-def _no_sliding_window(f: _Fields) -> None:
-    types = f.get("layer_types", list)
-    if types is not None and any(t != "full_attention" for t in types):
-        raise JspecError(f"{f.where}: unsupported layer_types {types} (jspec's drafters use "
-                         "full attention only)")
-    if f.get("use_sliding_window", bool, False) and f.has("sliding_window"):
-        raise JspecError(f"{f.where}: unsupported use_sliding_window = true")
-    f.used.add("sliding_window")
-
-
-def _architecture(cfg: dict[str, Any], where: str) -> str | None:
-    archs = cfg.get("architectures") or []
-    if not isinstance(archs, list):
-        raise JspecError(f"{where}: field 'architectures' must be a list")
-    for a in archs:
-        if a in REFUSED_ARCHS:
-            raise JspecError(f"{where}: {a}: {REFUSED_ARCHS[a]}")
-        if a in EAGLE3_ARCHS:
-            return "eagle3"
-        if a in DFLASH_ARCHS:
-            return "dflash"
-    return None
-
-
-def checkpoint_kind(path: str | Path) -> str | None:
-    """"eagle3" / "dflash" for a community drafter directory, None for anything else (an HF
-    model directory, used as a draft model). Refused drafter layouts raise a JspecError."""
-    cfg_path = Path(path) / "config.json"
-    if not cfg_path.is_file():
-        return None
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except (OSError, ValueError) as e:
-        raise JspecError(f"cannot read {cfg_path}: {e}") from e
-    return _architecture(cfg, str(cfg_path)) if isinstance(cfg, dict) else None
 
 
 class _Tensors:
@@ -578,152 +416,3 @@ def load_checkpoint(path: str | Path, target: Any = None, *, name: str | None = 
     return dataclasses.replace(d, **repl) if repl else d
 
 
-# ----------------------------------------------------------------------------- export
-def _np(a: Any, transpose: bool = False) -> np.ndarray:
-    a = np.asarray(jnp.asarray(a, jnp.float32))
-    return np.ascontiguousarray(a.T) if transpose else a
-
-
-def _rope_fields(cfg: DrafterConfig) -> dict[str, Any]:
-    out: dict[str, Any] = {"rope_theta": cfg.rope_theta}
-    out["rope_scaling"] = None if cfg.rope_scaling is None else dict(cfg.rope_scaling)
-    return out
-
-
-def _vocab_tensors(vocab_ids: np.ndarray, v: int) -> dict[str, np.ndarray]:
-    ids = np.asarray(vocab_ids, np.int64)
-    t2d = np.zeros((v,), np.bool_)
-    t2d[ids] = True
-    return {"d2t": ids - np.arange(len(ids), dtype=np.int64), "t2d": t2d}
-
-
-def export_drafter(drafter: Any, out: str | Path, fmt: str, *, target: Any,
-                   dtype: str = "float32") -> dict[str, Any]:
-    """Write `drafter` (a jspec Eagle3 / DFlash) as an EAGLE-3 or DFlash checkpoint directory.
-
-    Args:
-      drafter: the loaded drafter (`jspec.load_drafter`).
-      out: the directory to write (config.json, model.safetensors, maybe jspec_extra).
-      fmt: "eagle3" or "dflash" (must match the drafter).
-      target: the target Model (its layer count, context length, embedding).
-      dtype: "float32" (exact for any drafter) or "bfloat16" (exact for bfloat16-trained ones).
-    Returns:
-      the config.json dict written.
-    """
-    if fmt not in FORMATS:
-        raise JspecError(f"unknown export format {fmt!r} (one of {FORMATS})")
-    want = {"eagle3": eagle3.Eagle3, "dflash": dflash.DFlash}[fmt]
-    if not isinstance(drafter, want):
-        raise JspecError(f"--format {fmt} needs a {want.__name__} drafter, got "
-                         f"{type(drafter).__name__}")
-    if dtype not in ("float32", "bfloat16"):
-        raise JspecError(f"dtype must be float32 or bfloat16, got {dtype!r}")
-    cfg, p = drafter.cfg, drafter.params
-    tc = target.config
-    check_target(cfg, tc)
-    d, v = cfg.hidden_size, cfg.target_vocab
-    tensors: dict[str, np.ndarray] = {"fc.weight": _np(p["fc"], True),
-                                      "norm.weight": _np(p["final_norm"])}
-    vocab = np.asarray(drafter.vocab_ids)
-    # DFlash as released reads the target's full LM head: write a head only when it is not that.
-    full_target_head = (fmt == "dflash" and cfg.draft_vocab == v
-                        and np.array_equal(vocab, np.arange(v))
-                        and np.array_equal(_np(drafter.head),
-                                           _np(shared_inputs(vocab, target.weights)["head"])))
-    if not full_target_head:
-        tensors["lm_head.weight"] = _np(drafter.head)
-        tensors.update(_vocab_tensors(vocab, v))
-    if not np.array_equal(np.asarray(drafter.embed, np.float32),
-                          np.asarray(target.weights.embed, np.float32)):
-        tensors["embed_tokens.weight"] = _np(drafter.embed)
-    common = {"model_type": "llama" if fmt == "eagle3" else "qwen3",
-              "hidden_size": d, "intermediate_size": cfg.ffn_size,
-              "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-              "head_dim": cfg.head_dim, "num_hidden_layers": cfg.num_layers,
-              "rms_norm_eps": cfg.rms_eps, **_rope_fields(cfg),
-              "max_position_embeddings": tc.max_position, "vocab_size": v,
-              **({} if full_target_head else {"draft_vocab_size": cfg.draft_vocab}),
-              "hidden_act": "silu",
-              "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": dtype}
-    jsec: dict[str, Any] = {"format": 1, "target": cfg.target, "feature_norm": cfg.feature_norm,
-                            "vat": cfg.vat}
-    std_keys = ("feat_mean", "feat_std", "vh_w", "vh_b")
-    if fmt == "eagle3":
-        tensors.update({
-            "midlayer.input_layernorm.weight": _np(p["norm_emb"]),
-            "midlayer.hidden_norm.weight": _np(p["norm_feat"]),
-            "midlayer.post_attention_layernorm.weight": _np(p["mlp_norm"]),
-            "midlayer.self_attn.q_proj.weight": _np(p["wq"], True),
-            "midlayer.self_attn.k_proj.weight": _np(p["wk"], True),
-            "midlayer.self_attn.v_proj.weight": _np(p["wv"], True),
-            "midlayer.self_attn.o_proj.weight": _np(p["wo"], True),
-            "midlayer.mlp.gate_proj.weight": _np(p["w_gate"], True),
-            "midlayer.mlp.up_proj.weight": _np(p["w_up"], True),
-            "midlayer.mlp.down_proj.weight": _np(p["w_down"], True)})
-        layers = list(cfg.feature_layers)
-        config = {"architectures": ["LlamaForCausalLMEagle3"], **common,
-                  "mlp_bias": False, "norm_before_residual": cfg.norm_before_residual,
-                  "target_hidden_size": d,
-                  # vLLM reads the top-level ids as capture indices (jspec's numbering);
-                  # SGLang / SpecForge read eagle_config's as 0-indexed layer outputs.
-                  "eagle_aux_hidden_state_layer_ids": layers,
-                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in layers],
-                                   "use_aux_hidden_state": True}}
-        jsec["block"] = cfg.block
-        extra_keys = std_keys
-    else:
-        for i in range(cfg.num_layers):
-            pre = f"layers.{i}."
-            tensors.update({
-                pre + "input_layernorm.weight": _np(p[f"l{i}.attn_norm"]),
-                pre + "post_attention_layernorm.weight": _np(p[f"l{i}.mlp_norm"]),
-                pre + "self_attn.q_proj.weight": _np(p[f"l{i}.wq"], True),
-                pre + "self_attn.k_proj.weight": _np(p[f"l{i}.wk"], True),
-                pre + "self_attn.v_proj.weight": _np(p[f"l{i}.wv"], True),
-                pre + "self_attn.o_proj.weight": _np(p[f"l{i}.wo"], True),
-                pre + "mlp.gate_proj.weight": _np(p[f"l{i}.w_gate"], True),
-                pre + "mlp.up_proj.weight": _np(p[f"l{i}.w_up"], True),
-                pre + "mlp.down_proj.weight": _np(p[f"l{i}.w_down"], True)})
-            if cfg.qk_norm:
-                tensors[pre + "self_attn.q_norm.weight"] = _np(p[f"l{i}.q_norm"])
-                tensors[pre + "self_attn.k_norm.weight"] = _np(p[f"l{i}.k_norm"])
-        tensors["hidden_norm.weight"] = _np(p["fc_norm"])
-        if min(cfg.feature_layers) < 1:
-            raise JspecError("the DFlash layout cannot name the embeddings (feature layer 0)")
-        config = {"architectures": ["DFlashDraftModel"], **common,
-                  "num_target_layers": tc.num_layers, "block_size": cfg.block,
-                  "layer_types": ["full_attention"] * cfg.num_layers,
-                  "dflash_config": {"block_size": cfg.block,
-                                    "mask_token_id": (cfg.mask_token_id
-                                                      if cfg.block_input == "tokens" else None),
-                                    "target_layer_ids": [i - 1 for i in cfg.feature_layers]}}
-        jsec.update(qk_norm=cfg.qk_norm, block_input=cfg.block_input)
-        extra_keys = (*std_keys, "mask_emb", "slot_emb")
-    extra = {k: _np(p[k]) for k in extra_keys if k in p}
-    if cfg.feature_norm == "none":  # an imported checkpoint: drop jspec's identity defaults
-        extra = {k: a for k, a in extra.items() if not _is_default(k, a)}
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    if extra:
-        jsec["extra_tensors"] = EXTRA_FILE
-        write_safetensors(out / EXTRA_FILE, extra)
-    elif (out / EXTRA_FILE).exists():
-        (out / EXTRA_FILE).unlink()
-    if cfg.feature_norm == "none" and not extra and not cfg.target and not cfg.vat:
-        pass  # a plain community checkpoint: no jspec section needed
-    else:
-        config["jspec"] = jsec
-    if dtype == "bfloat16":
-        tensors = {k: a.astype(ml_dtypes.bfloat16) if a.dtype == np.float32 else a
-                   for k, a in tensors.items()}
-    write_safetensors(out / WEIGHTS_FILE, tensors)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return config
-
-
-def _is_default(key: str, a: np.ndarray) -> bool:
-    if key == "feat_std":
-        return bool(np.all(a == 1.0))
-    if key in ("feat_mean", "vh_w", "vh_b"):
-        return bool(np.all(a == 0.0))
-    return False

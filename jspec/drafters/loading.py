@@ -6,24 +6,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-from jspec.drafters import interop, topk_tree
+from safetensors import safe_open
+
+from jspec.drafters import d2sd, dflash, eagle3, interop, topk_tree
 from jspec.drafters.draft_model import DraftModel
 from jspec.drafters.ngram import NGram
+from jspec.drafters.trained import check_target, load_drafter_file
 from jspec.errors import JspecError, ModelLoadError
-
-
-def _kv_args(spec: str) -> dict[str, int]:
-    out = {}
-    for part in filter(None, spec.split(",")):
-        k, sep, v = part.partition("=")
-        if not sep:
-            raise JspecError(f"bad drafter option {part!r}: expected key=value")
-        try:
-            out[k.strip()] = int(v)
-        except ValueError as e:
-            raise JspecError(f"bad drafter option {part!r}: value must be an integer") from e
-    return out
-
+from jspec.models.model import load_model
+from jspec.specs import Registry, split_spec
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 # Trained drafters shipped with jspec: name -> file in jspec/assets.
@@ -32,15 +23,17 @@ SHIPPED = {"smollm2-135m-eagle3": "smollm2-135m-eagle3.safetensors",
            # D²SD's second (variable-prefix) drafter; its file names the first (the DFlash).
            "smollm2-135m-d2sd": "smollm2-135m-d2sd.safetensors"}
 TREE_OPTIONS = ("branches", "branch_len")  # D²SD: tree shape (static)
+# Options of a trained drafter (a shipped name or a .safetensors file).
+TRAINED = Registry("trained-drafter")
+TRAINED.register("file", lambda **kw: kw, {"cut": float, "branches": int, "branch_len": int},
+                 usage="cut=P (D2SD: branches=N, branch_len=N)")
 # Proposers around any chain drafter: "INNER+name:key=value,...".
-WRAPPERS = {"topk": topk_tree.from_options}
+WRAPPERS = Registry("proposer")
+WRAPPERS.register("topk", topk_tree.from_options, {"k": int, "nodes": int}, usage="k=K,nodes=N")
 
 
 def _trained(path: Path, target: Any, cut: float | None, name: str,
              tree_opts: dict[str, int] | None = None) -> Any:
-    from jspec.drafters import dflash, eagle3  # noqa: PLC0415
-    from jspec.drafters.trained import check_target, load_drafter_file  # noqa: PLC0415
-    from jspec.models.model import load_model  # noqa: PLC0415
 
     cfg, params, vocab = load_drafter_file(path)
     if target is None:
@@ -65,9 +58,7 @@ def _trained(path: Path, target: Any, cut: float | None, name: str,
 def _d2sd(path: Path, cfg: Any, params: Any, vocab: Any, target: Any, cut: float | None,
           name: str, tree_opts: dict[str, int]) -> Any:
     """The D²SD tree drafter: the first drafter named in the file's metadata + this one."""
-    from safetensors import safe_open  # noqa: PLC0415
 
-    from jspec.drafters import d2sd  # noqa: PLC0415
 
     if cut is not None:
         raise JspecError("D2SD drafts whole blocks: cut= does not apply")
@@ -96,29 +87,16 @@ def load_drafter(name_or_path: str | os.PathLike, *, target: Any = None) -> Any:
     loaded by name). Any chain drafter followed by "+topk[:k=K,nodes=N]" proposes its top-k token
     tree instead (`jspec.drafters.topk_tree`; defaults k=4, nodes=16).
     """
-    from jspec.models.model import load_model  # noqa: PLC0415
 
     name = str(name_or_path)
     inner, plus, wrap = name.rpartition("+")
-    if plus and inner and wrap.partition(":")[0] in WRAPPERS:
-        w, _, opts = wrap.partition(":")
-        return WRAPPERS[w](load_drafter(inner, target=target), _kv_args(opts))
-    kind, _, arg = name.partition(":")
+    if plus and inner and split_spec(wrap)[0] in WRAPPERS:
+        return WRAPPERS.parse(wrap, inner=load_drafter(inner, target=target))
+    kind = name.partition(":")[0]
     if kind in SHIPPED or kind.endswith(".safetensors"):
-        cut = None
-        tree_opts = {}
-        for part in filter(None, arg.split(",")):
-            k, sep, v = part.partition("=")
-            if k in TREE_OPTIONS and sep:
-                tree_opts.update(_kv_args(part))
-                continue
-            if k != "cut" or not sep:
-                raise JspecError(f"bad trained-drafter option {part!r}: cut=P (D2SD: "
-                                 "branches=N, branch_len=N)")
-            try:
-                cut = float(v)
-            except ValueError as e:
-                raise JspecError(f"bad cut value {v!r}") from e
+        opts = TRAINED.options("file", split_spec(name)[1])
+        cut = opts.pop("cut", None)
+        tree_opts = opts
         path = ASSETS / SHIPPED[kind] if kind in SHIPPED else Path(kind).expanduser()
         if not path.is_file():
             raise ModelLoadError(f"drafter file {path} not found")
@@ -128,22 +106,8 @@ def load_drafter(name_or_path: str | os.PathLike, *, target: Any = None) -> Any:
         return interop.load_checkpoint(ckpt, target, name=name)
     if target is None:
         raise JspecError(f"load_drafter({name!r}) needs target=")
-    if kind == "ngram":
-        kw = _kv_args(arg)
-        if "n" in kw:
-            kw["n_max"] = kw.pop("n")
-        unknown = set(kw) - {"n_max", "n_min"}
-        if unknown:
-            raise JspecError(f"unknown ngram option(s) {sorted(unknown)} (n, n_max, n_min)")
-        return NGram(**kw)
-    if kind == "early-exit":
-        try:
-            n = int(arg)
-        except ValueError as e:
-            raise JspecError(f"early-exit needs a layer count, e.g. early-exit:6, got {name!r}") from e
-        if not 1 <= n < target.config.num_layers:
-            raise JspecError(f"early-exit:N needs 1 <= N < {target.config.num_layers}, got {n}")
-        return DraftModel(weights=target.weights, config=target.config, num_layers=n, name=name)
+    if kind in NAMED:
+        return NAMED.parse(name, target=target, name=name)
     path = Path(name).expanduser()
     if not path.exists():
         raise ModelLoadError(
@@ -151,6 +115,30 @@ def load_drafter(name_or_path: str | os.PathLike, *, target: Any = None) -> Any:
     draft = load_model(path, dtype=target.config.dtype)
     check_same_tokenizer(target, draft)
     return DraftModel(weights=draft.weights, config=draft.config, name=name)
+
+
+def _ngram(*, target: Any, name: str, n: int | None = None, n_max: int | None = None,
+           n_min: int | None = None) -> NGram:
+    if n is not None and n_max is not None:
+        raise JspecError("ngram: n is n_max; give one of them")
+    top = n if n is not None else n_max
+    return NGram(**({} if top is None else {"n_max": top}),
+                 **({} if n_min is None else {"n_min": n_min}))
+
+
+def _early_exit(*, target: Any, name: str, layers: int | None = None) -> DraftModel:
+    if layers is None:
+        raise JspecError(f"early-exit needs a layer count, e.g. early-exit:6, got {name!r}")
+    if not 1 <= layers < target.config.num_layers:
+        raise JspecError(f"early-exit:N needs 1 <= N < {target.config.num_layers}, got {layers}")
+    return DraftModel(weights=target.weights, config=target.config, num_layers=layers, name=name)
+
+
+# Drafters named by a spec (files and directories are recognised by their path).
+NAMED = Registry("drafter")
+NAMED.register("ngram", _ngram, {"n": int, "n_max": int, "n_min": int},
+               usage="n=N or n_max=N,n_min=M")
+NAMED.register("early-exit", _early_exit, {"layers": int}, positional="layers", usage="N")
 
 
 def check_same_tokenizer(target: Any, draft: Any) -> None:

@@ -155,9 +155,6 @@ def top_k_tree(chain: jax.Array, q: jax.Array | None, k: int, n: int, temperatur
     return tokens.astype(jnp.int32), parents.astype(jnp.int32)
 
 
-def from_options(inner: Any, options: dict[str, int]) -> TopKTree:
+def from_options(inner: Any, k: int = 4, nodes: int = 16) -> TopKTree:
     """`load_drafter`'s `INNER+topk:k=K,nodes=N`."""
-    unknown = set(options) - {"k", "nodes"}
-    if unknown:
-        raise JspecError(f"unknown top-k tree option(s) {sorted(unknown)} (k, nodes)")
-    return TopKTree(inner=inner, **options, name=f"{getattr(inner, 'name', 'drafter')}+topk")
+    return TopKTree(inner=inner, k=k, nodes=nodes, name=f"{getattr(inner, 'name', 'drafter')}+topk")

@@ -17,6 +17,8 @@ import numpy as np
 
 from jspec.models.cache import KVCache
 from jspec.models.config import ModelConfig
+from jspec.sharding import shard_kernel
+from pallas_kernels.tree_attention import gpu_kernel_supports, tree_attention
 
 # A large finite negative instead of -inf: a fully masked row then stays finite (no NaN).
 MASK_VALUE = -1e30
@@ -248,8 +250,6 @@ def _layer(config: ModelConfig, rot: tuple[jax.Array, jax.Array], x: jax.Array,
     k = apply_rope(k, *rot)
 
     if attend.use_pallas:
-        from jspec.sharding import shard_kernel  # noqa: PLC0415
-        from pallas_kernels.tree_attention import tree_attention  # noqa: PLC0415
 
         # Cascade form: the committed prefix is read from the cache, the T new tokens from
         # k/v directly (the new K/V are written after). Under a mesh the kernel runs per
@@ -325,7 +325,6 @@ def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions:
     x = jnp.take(weights.embed, tokens, axis=0).astype(config.jnp_dtype)  # [B, T, D]
     use_pallas = config.resolved_attention_impl() == "pallas" and t <= PALLAS_MAX_NEW_TOKENS
     if use_pallas and config.attention_impl == "auto" and jax.default_backend() == "gpu":
-        from pallas_kernels.tree_attention import gpu_kernel_supports  # noqa: PLC0415
 
         # "auto" on a GPU: the Mosaic GPU kernel where it applies, XLA elsewhere (an explicit
         # "pallas" outside the kernel's limits raises its clear error instead).

@@ -8,6 +8,8 @@ Every verifier subclasses `jspec.verify.base.Verifier`: it declares what it can 
 
 import dataclasses
 
+from jspec.errors import JspecError
+from jspec.specs import Registry
 from jspec.verify.asd import ASD, ASDState
 from jspec.verify.base import Supports, Verifier, check_verifier
 from jspec.verify.diversed import Diversed, DiversedHead, DiversedState
@@ -25,41 +27,25 @@ __all__ = ["ACCEPTANCE_IMPLS", "ASD", "ASDState", "Diversed", "DiversedHead", "D
            "leading_true", "parse_verifier", "verify_chain", "verify_chain_fused",
            "with_acceptance_impl"]
 
-USAGE = "lossless, asd[:budget=B,gate=G,cap=M], diversed[:w=W | :head=PATH]"
+def _diversed(w: float | None = None, head: str | None = None) -> Diversed:
+    if w is not None and head is not None:
+        raise JspecError("bad DIVERSED options: expected w=W or head=PATH, not both")
+    if head is not None:
+        return Diversed(head=DiversedHead.load(head))
+    return Diversed() if w is None else Diversed(weight=w)
+
+
+VERIFIERS = Registry("verifier")
+VERIFIERS.register("lossless", Lossless)
+VERIFIERS.register("asd", ASD, {"budget": float, "gate": float, "cap": int},
+                   usage="budget=B,gate=G,cap=M")
+VERIFIERS.register("diversed", _diversed, {"w": float, "head": str}, usage="w=W or head=PATH")
+USAGE = VERIFIERS.usage()
 
 
 def parse_verifier(spec: str) -> Lossless | ASD | Diversed:
     """`lossless` | `asd[:budget=B,gate=G,cap=M]` | `diversed[:w=W | :head=PATH]` (--verifier)."""
-    from jspec.errors import JspecError  # noqa: PLC0415
-
-    kind, _, args = spec.partition(":")
-    if kind == "lossless" and not args:
-        return Lossless()
-    if kind == "asd":
-        kw: dict[str, float | int] = {}
-        for part in filter(None, args.split(",")):
-            key, sep, val = part.partition("=")
-            if not sep or key not in ("budget", "gate", "cap"):
-                raise JspecError(f"bad ASD option {part!r}: expected budget=, gate= or cap=")
-            try:
-                kw[key] = int(val) if key == "cap" else float(val)
-            except ValueError as e:
-                raise JspecError(f"bad ASD option {part!r}: not a number") from e
-        return ASD(**kw)
-    if kind == "diversed":
-        key, sep, val = args.partition("=")
-        if not args:
-            return Diversed()
-        if key == "w" and sep:
-            try:
-                w = float(val)
-            except ValueError as e:
-                raise JspecError(f"bad DIVERSED weight {val!r}: not a number") from e
-            return Diversed(weight=w)
-        if key == "head" and sep and val:
-            return Diversed(head=DiversedHead.load(val))
-        raise JspecError(f"bad DIVERSED option {args!r}: expected w=W or head=PATH")
-    raise JspecError(f"unknown verifier {spec!r} ({USAGE})")
+    return VERIFIERS.parse(spec)
 
 
 def with_acceptance_impl(verifier: Lossless | ASD | Diversed, impl: str
@@ -69,8 +55,6 @@ def with_acceptance_impl(verifier: Lossless | ASD | Diversed, impl: str
     `Lossless` and `Diversed` (sampled, one w per row) have a kernel path; "pallas" with ASD
     is an error.
     """
-    from jspec.errors import JspecError  # noqa: PLC0415
-
     if impl not in ACCEPTANCE_IMPLS:
         raise JspecError(f"acceptance impl must be one of {ACCEPTANCE_IMPLS}, got {impl!r}")
     if isinstance(verifier, Lossless):

@@ -34,7 +34,7 @@ import numpy as np
 from jspec.errors import JspecError
 from jspec.sampling import Sampling, process_logits
 from jspec.verify.base import Supports, Verifier
-from jspec.verify.lossless import leading_true, residual_token
+from jspec.verify.lossless import fused_acceptance_supports, leading_true, residual_token, verify_chain_fused
 
 HEAD_KINDS = ("scalar", "context")
 
@@ -246,7 +246,6 @@ class Diversed(Verifier):
         rows = jnp.arange(b)
         if self._fused(sampling):
             # One w per row (static or task level): the fused kernel, same random numbers.
-            from jspec.verify.lossless import verify_chain_fused  # noqa: PLC0415
 
             n, nxt = verify_chain_fused(key, draft, q, target_logits, sampling, valid, w=w[:, 0])
         elif sampling.greedy:
@@ -269,7 +268,6 @@ class Diversed(Verifier):
     def _fused(self, sampling: Sampling) -> bool:
         """The Pallas acceptance kernel serves sampled decoding with one w per row (static or
         scalar head) and temperature-only processing; anything else keeps the XLA path."""
-        from jspec.verify.lossless import fused_acceptance_supports  # noqa: PLC0415
 
         return (self.acceptance_impl == "pallas" and not self.needs_hidden
                 and not sampling.greedy and fused_acceptance_supports(sampling))

@@ -11,6 +11,7 @@ from jspec.errors import JspecError
 from jspec.sampling import Sampling, process_logits, sample_from_probs
 from jspec.verify.base import Supports, Verifier
 from jspec.verify.tree import verify_tree
+from pallas_kernels.relaxed_acceptance import MIN_TEMPERATURE, relaxed_acceptance
 
 # Below this residual mass the residual is numerically empty: sample from p instead.
 RESIDUAL_EPS = 1e-8
@@ -65,7 +66,6 @@ class Lossless(Verifier):
 def fused_acceptance_supports(sampling: Sampling) -> bool:
     """Whether the fused kernel covers this sampling mode: greedy, or temperature only with a
     temperature of at least the kernel's MIN_TEMPERATURE."""
-    from pallas_kernels.relaxed_acceptance import MIN_TEMPERATURE  # noqa: PLC0415
 
     return (sampling.top_k == 0 and sampling.top_p == 1.0
             and (sampling.greedy or sampling.temperature >= MIN_TEMPERATURE))
@@ -87,7 +87,6 @@ def verify_chain_fused(key: jax.Array, draft: jax.Array, q: jax.Array | None,
     Returns:
       (n_accepted i32[B], next_token i32[B]).
     """
-    from pallas_kernels.relaxed_acceptance import MIN_TEMPERATURE, relaxed_acceptance  # noqa: PLC0415
 
     if not fused_acceptance_supports(sampling):
         raise JspecError("the fused acceptance kernel supports temperature only (no top-k/top-p) "

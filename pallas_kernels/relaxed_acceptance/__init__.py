@@ -6,8 +6,8 @@ from pallas_kernels.relaxed_acceptance.kernel import (
     RESIDUAL_EPS,
     Acceptance,
     relaxed_acceptance,
-    relaxed_acceptance_reference,
 )
+from pallas_kernels.relaxed_acceptance.reference import relaxed_acceptance_reference
 from pallas_kernels.relaxed_acceptance.tuned_block_sizes import (
     INTERPRET_BLOCK_B,
     TUNED_BLOCK_V,
