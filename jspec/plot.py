@@ -206,9 +206,15 @@ def plot_training(log: str | Path, out: str | Path) -> Path:
     recs = [json.loads(line) for line in Path(log).read_text().splitlines() if line.strip()]
     if not recs:
         raise JspecError(f"{log} holds no steps")
-    steps = [r["step"] for r in recs]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    a.plot(steps, [r["loss"] for r in recs], linewidth=0.8, label="training loss")
+    # A fine-tune's step 0 holds only the held-out evaluation of the starting drafter.
+    trained = [r for r in recs if "loss" in r]
+    a.plot([r["step"] for r in trained], [r["loss"] for r in trained], linewidth=0.8,
+           label="training loss")
+    held = [r for r in recs if "heldout_loss" in r]
+    if held:
+        a.plot([r["step"] for r in held], [r["heldout_loss"] for r in held], marker="o",
+               linewidth=1.5, label="held-out loss")
     a.set(title="Loss", xlabel="step", ylabel="loss")
     for key, label in (("tau_sim", "training batch (simulated)"),
                        ("heldout_tau_sim", "held-out (simulated)")):

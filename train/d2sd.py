@@ -42,7 +42,7 @@ from jspec.drafters.trained import (
     save_drafter,
 )
 from jspec.models.model import load_model
-from train.drafters import (
+from train.data import (
     Rows,
     batches_for,
     coverage,

@@ -34,7 +34,7 @@ import numpy as np
 from jspec.errors import JspecError
 from jspec.sampling import Sampling, process_logits
 from jspec.verify.base import Supports, Verifier
-from jspec.verify.lossless import fused_acceptance_supports, leading_true, residual_token, verify_chain_fused
+from jspec.verify.lossless import fused_acceptance_supports, verify_chain, verify_chain_fused
 
 HEAD_KINDS = ("scalar", "context")
 
@@ -242,27 +242,11 @@ class Diversed(Verifier):
             p = jax.nn.softmax(process_logits(target_logits, sampling), axis=-1)
         qd = jax.nn.one_hot(draft, p.shape[-1], dtype=jnp.float32) if q is None else q
         qd = jnp.where(valid[..., None], qd, 0.0)  # an empty slot proposes nothing
-        nu = w[..., None] * p[:, :k] + (1.0 - w[..., None]) * qd  # [B, K, V]
-        rows = jnp.arange(b)
         if self._fused(sampling):
             # One w per row (static or task level): the fused kernel, same random numbers.
-
             n, nxt = verify_chain_fused(key, draft, q, target_logits, sampling, valid, w=w[:, 0])
-        elif sampling.greedy:
-            top_nu = jnp.argmax(nu, axis=-1).astype(jnp.int32)  # [B, K]
-            n = leading_true(valid & (draft == top_nu))
-            top_p = jnp.argmax(p[:, k], axis=-1).astype(jnp.int32)
-            nxt = jnp.where(n < k, top_nu[rows, jnp.minimum(n, k - 1)], top_p)
-        else:
-            k_u, k_s = jax.random.split(key)
-            q_x = jnp.take_along_axis(qd, draft[..., None], axis=-1)[..., 0]  # [B, K]
-            nu_x = jnp.take_along_axis(nu, draft[..., None], axis=-1)[..., 0]
-            u = jax.random.uniform(k_u, (b, k))
-            n = leading_true(valid & (u * q_x < nu_x))  # u < ν/q, q_x > 0 for drafted x
-            at = jnp.minimum(n, k - 1)
-            p_n = p[rows, n]  # [B, V]
-            q_n = jnp.where((n < k)[:, None], qd[rows, at], 0.0)
-            nxt = residual_token(k_s, p_n, q_n)  # [ν − q]+ ∝ [p − q]+ (w cancels)
+        else:  # the one acceptance core, with ν = w·p + (1 − w)·q
+            n, nxt = verify_chain(key, draft, q, target_logits, sampling, valid, w=w)
         return n, nxt, self._update(vstate, draft, n, nxt, p, qd, w, feats, valid)
 
     def _fused(self, sampling: Sampling) -> bool:

@@ -12,6 +12,7 @@ from jspec.sampling import Sampling, process_logits, sample_from_probs
 from jspec.verify.base import Supports, Verifier
 from jspec.verify.tree import verify_tree
 from pallas_kernels.relaxed_acceptance import MIN_TEMPERATURE, relaxed_acceptance
+from pallas_kernels.relaxed_acceptance.decide import accept_sampled, decide_greedy
 
 # Below this residual mass the residual is numerically empty: sample from p instead.
 RESIDUAL_EPS = 1e-8
@@ -108,7 +109,7 @@ def leading_true(mask: jax.Array) -> jax.Array:
 
 
 def verify_chain(key: jax.Array, draft: jax.Array, q: jax.Array | None, target_logits: jax.Array,
-                 sampling: Sampling, valid: jax.Array | None = None
+                 sampling: Sampling, valid: jax.Array | None = None, w: jax.Array | None = None
                  ) -> tuple[jax.Array, jax.Array]:
     """Decide how many drafted tokens to accept and the token that follows them.
 
@@ -121,30 +122,38 @@ def verify_chain(key: jax.Array, draft: jax.Array, q: jax.Array | None, target_l
       sampling: applied identically to p (and, by the drafter, to q).
       valid: bool[B, K] or None; an invalid position is a slot where the drafter proposed
         nothing: it is rejected, and the token there is drawn from p itself (q counts as 0).
+      w: None (lossless) or f32[B, K] DIVERSED's weight on the target: the verifier's
+        distribution is ν = w·p + (1 − w)·q (greedy: its argmax; sampled: accept with
+        min(1, ν/q), the residual [ν − q]+ ∝ [p − q]+).
     Returns:
       (n_accepted i32[B] in [0, K], next_token i32[B]): correction or bonus token.
+    The decisions are `pallas_kernels.relaxed_acceptance.decide`'s, which the fused kernels and
+    their reference also use.
     """
     b, k = draft.shape
     z = process_logits(target_logits, sampling)  # [B, K+1, V]
     ok = jnp.ones((b, k), bool) if valid is None else valid
+    if q is None:
+        q = jax.nn.one_hot(draft, z.shape[-1], dtype=jnp.float32)
     if sampling.greedy:
         target_tok = jnp.argmax(z, axis=-1).astype(jnp.int32)  # [B, K+1]
-        n = leading_true(ok & (draft == target_tok[:, :k]))
-        return n, jnp.take_along_axis(target_tok, n[:, None], axis=1)[:, 0]
+        choice = target_tok[:, :k]
+        if w is not None:
+            p = jax.nn.softmax(z[:, :k], axis=-1)
+            nu = w[..., None] * p + (1.0 - w[..., None]) * jnp.where(ok[..., None], q, 0.0)
+            choice = jnp.argmax(nu, axis=-1).astype(jnp.int32)
+        n, tok, _ = decide_greedy(draft, ok, target_tok, choice, w is not None)
+        return n, tok
     p = jax.nn.softmax(z, axis=-1)  # [B, K+1, V]
     k_u, k_s = jax.random.split(key)
     p_x = jnp.take_along_axis(p[:, :k], draft[..., None], axis=-1)[..., 0]  # [B, K]
-    if q is None:
-        q = jax.nn.one_hot(draft, p.shape[-1], dtype=jnp.float32)
     q_x = jnp.take_along_axis(q, draft[..., None], axis=-1)[..., 0]
     u = jax.random.uniform(k_u, (b, k))
-    # u < p/q without dividing: q_x > 0 for any token the drafter could have sampled.
-    n = leading_true(ok & (u * q_x < p_x))
+    nu_x = p_x if w is None else w * p_x + (1.0 - w) * q_x
+    n, row, proposed, _ = accept_sampled(ok, u, q_x, nu_x)
     rows = jnp.arange(b)
-    p_n = p[rows, n]  # [B, V]
-    proposed = (n < k) & ok[rows, jnp.minimum(n, k - 1)]
-    q_n = jnp.where(proposed[:, None], q[rows, jnp.minimum(n, k - 1)], 0.0)
-    return n, residual_token(k_s, p_n, q_n)
+    q_n = jnp.where(proposed[:, None], q[rows, row], 0.0)
+    return n, residual_token(k_s, p[rows, n], q_n)
 
 
 def residual_token(key: jax.Array, p_n: jax.Array, q_n: jax.Array) -> jax.Array:

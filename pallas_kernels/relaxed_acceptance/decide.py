@@ -54,9 +54,21 @@ def decide_sampled(x: jax.Array,  # i32[B, K]
     Accept x_i iff u_i·q(x_i) < ν(x_i), ν = w·p + (1-w)·q; `proposed`: position n < K held a
     draft (the residual then subtracts q_n).
     """
-    b, k = x.shape
     wc = wv[:, None]
-    nu_x = wc * jnp.exp(zx - lse) + (1.0 - wc) * qx
+    return accept_sampled(valid, u, qx, wc * jnp.exp(zx - lse) + (1.0 - wc) * qx)
+
+
+def accept_sampled(valid: jax.Array,  # bool[B, K]
+                   u: jax.Array,  # f32[B, K] uniforms
+                   qx: jax.Array,  # f32[B, K] draft probability of each drafted token
+                   nu_x: jax.Array,  # f32[B, K] the verifier's probability of it (lossless: p)
+                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The acceptance core of every sampled verification (jspec's jnp path, the reference and
+    the kernels): accept x_i iff u_i·q(x_i) < ν(x_i) (u < ν/q without dividing; q > 0 for any
+    token the drafter could have drawn), up to the first rejection. Returns (n i32[B], row =
+    min(n, K-1) i32[B], proposed bool[B]: position n held a draft, prob f32[B, K] =
+    min(1, ν/q) per valid position)."""
+    b, k = valid.shape
     accept = valid & (u * qx < nu_x)
     prob = jnp.where(valid, jnp.where(qx > 0, jnp.minimum(1.0, nu_x / jnp.where(qx > 0, qx, 1.0)),
                                       1.0), 0.0)

@@ -1,0 +1,166 @@
+"""Training data of the drafters: datagen shards as token rows + cached target features,
+the draft vocabulary, feature statistics, and length-bucketed batches (functions of (seed,
+step), so a resumed run draws the batches the uninterrupted one would have)."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from train.datagen import load_shard
+
+
+def data_layers(data: str) -> tuple[int, ...]:
+    """The feature layers recorded in a datagen directory (meta.json)."""
+    meta = Path(data) / "meta.json"
+    if not meta.is_file():
+        raise SystemExit(f"error: {meta} not found (run `python -m train datagen` first)")
+    return tuple(json.loads(meta.read_text())["feature_layers"])
+
+
+def eagle_layers(layers: tuple[int, ...]) -> tuple[int, ...]:
+    """Low / mid / high: the first, middle and last recorded layers (1, 14, 27 by default)."""
+    return (layers[0], layers[len(layers) // 2], layers[-1])
+
+
+# ----------------------------------------------------------------------------- data
+@dataclasses.dataclass
+class Rows:
+    """Training sequences held in memory (features as stored: float16)."""
+
+    tokens: list[np.ndarray]  # i32[n]
+    plens: list[int]
+    feats: list[np.ndarray]  # f16[n, F, D] (FEATURE_LAYERS then final-normed)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def load_rows(data: str, heldout: bool, sets: list[str] | None = None) -> Rows:
+    files = sorted(glob.glob(str(Path(data) / "*.npz")))
+    files = [f for f in files if Path(f).name.startswith("heldout_") == heldout]
+    if sets:
+        files = [f for f in files if Path(f).name.split("-")[0].removeprefix("heldout_") in sets]
+    if not files:
+        raise SystemExit(f"error: no {'held-out' if heldout else 'training'} shards in {data} "
+                         "(run `python -m train datagen` first)")
+    toks, plens, feats = [], [], []
+    for f in files:
+        sh = load_shard(Path(f))
+        for r in range(len(sh.prompt_lens)):
+            a, b = int(sh.offsets[r]), int(sh.offsets[r + 1])
+            if b - a - int(sh.prompt_lens[r]) < 2:
+                continue
+            toks.append(np.asarray(sh.tokens[a:b]))
+            plens.append(int(sh.prompt_lens[r]))
+            feats.append(np.asarray(sh.feats[a:b]))
+    return Rows(toks, plens, feats)
+
+
+def feature_stats(rows: Rows, feat_idx: list[int], seed: int, n: int = 50_000
+                  ) -> dict[str, jax.Array]:
+    """Per (layer, dim) mean and std of the features over a sample of positions."""
+    rng = np.random.default_rng(seed)
+    per = max(1, n // max(len(rows), 1))
+    xs = []
+    for f in rows.feats:
+        idx = rng.choice(len(f) - 1, min(per, len(f) - 1), replace=False)  # last slot is empty
+        xs.append(np.asarray(f[idx][:, feat_idx], np.float32))
+    x = np.concatenate(xs)
+    return {"feat_mean": jnp.asarray(x.mean(0)), "feat_std": jnp.asarray(x.std(0) + 1e-3)}
+
+
+def draft_vocab(rows: Rows, size: int, eos_ids: tuple[int, ...]) -> np.ndarray:
+    """The `size` most frequent response tokens (EOS always in), sorted ids."""
+    counts = np.zeros((max(int(t.max()) for t in rows.tokens) + 1,), np.int64)
+    for t, p in zip(rows.tokens, rows.plens, strict=True):
+        np.add.at(counts, t[p:], 1)
+    order = np.argsort(-counts, kind="stable")
+    keep = [int(i) for i in order[:size]]
+    for e in eos_ids:
+        if e not in keep:
+            keep[-1] = e
+    return np.sort(np.asarray(keep, np.int32))
+
+
+def coverage(rows: Rows, vocab: np.ndarray) -> float:
+    v = set(vocab.tolist())
+    tot = hit = 0
+    for t, p in zip(rows.tokens, rows.plens, strict=True):
+        r = t[p:]
+        tot += len(r)
+        hit += sum(1 for x in r.tolist() if x in v)
+    return hit / max(tot, 1)
+
+
+def window(n: int, plen: int, seq: int) -> tuple[int, int]:
+    """(first kept token, prompt length kept) of an n-token row with a plen-token prompt in a
+    seq-token batch: rows longer than seq keep their last seq tokens."""
+    off = max(0, n - seq)
+    return off, max(1, plen - off)
+
+
+def make_batch(rows: Rows, idx: list[int], seq: int, feat_idx: list[int]) -> dict[str, np.ndarray]:
+    """Right-padded [B, seq] batch; rows longer than seq keep their last seq tokens."""
+    b = len(idx)
+    d = rows.feats[0].shape[-1]
+    out = {"tokens": np.zeros((b, seq), np.int32), "lens": np.zeros((b,), np.int32),
+           "plens": np.zeros((b,), np.int32),
+           "feats": np.zeros((b, seq, len(feat_idx), d), np.float16),
+           "final": np.zeros((b, seq, d), np.float16)}
+    for i, r in enumerate(idx):
+        t, f, p = rows.tokens[r], rows.feats[r], rows.plens[r]
+        off, p = window(len(t), p, seq)
+        t, f = t[off:], f[off:]
+        n = len(t)
+        out["tokens"][i, :n] = t
+        out["feats"][i, :n] = f[:, feat_idx]
+        out["final"][i, :n] = f[:, -1]
+        out["lens"][i], out["plens"][i] = n, p
+    return out
+
+
+def batches_for(rows: Rows, seq_buckets: tuple[int, ...], tokens_per_batch: int
+                ) -> list[tuple[int, list[int]]]:
+    """A fixed list of (bucket, row indices); rows grouped by length bucket."""
+    by: dict[int, list[int]] = {s: [] for s in seq_buckets}
+    for i, t in enumerate(rows.tokens):
+        s = next((s for s in seq_buckets if len(t) <= s), seq_buckets[-1])
+        by[s].append(i)
+    out = []
+    for s, ids in by.items():
+        bsz = max(1, tokens_per_batch // s)
+        for j in range(0, len(ids) - bsz + 1, bsz):
+            out.append((s, ids[j: j + bsz]))
+        if len(ids) % bsz and len(ids) >= bsz:
+            out.append((s, ids[-bsz:]))  # the remainder, completed with earlier rows
+    return out
+
+
+def sample_positions(rng: np.random.Generator, lens: np.ndarray, plens: np.ndarray, n: int,
+                     lo_off: int, hi_off: int) -> tuple[np.ndarray, np.ndarray]:
+    """n positions per row in [plen + lo_off, len - hi_off] (with replacement if few); valid mask."""
+    b = len(lens)
+    pos = np.zeros((b, n), np.int32)
+    valid = np.zeros((b, n), bool)
+    for i in range(b):
+        lo, hi = int(plens[i]) + lo_off, int(lens[i]) - hi_off
+        if hi < lo:
+            continue
+        cand = np.arange(lo, hi + 1)
+        if len(cand) >= n:
+            pos[i] = np.sort(rng.choice(cand, n, replace=False))
+            valid[i] = True
+        else:
+            pos[i, : len(cand)] = cand
+            valid[i, : len(cand)] = True
+    return pos, valid
+
+
+# ----------------------------------------------------------------------------- losses
