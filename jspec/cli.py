@@ -70,8 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "early-exit:N, a shipped trained drafter "
                                      "(smollm2-135m-eagle3, smollm2-135m-dflash, "
                                      "smollm2-135m-d2sd[:branches=4,branch_len=1] = D²SD tree "
-                                     "drafting, use --k 7), or a draft model directory / .gguf "
-                                     "(default: plain autoregressive decoding)")
+                                     "drafting, use --k 7), or a draft model directory / .gguf; "
+                                     "any chain drafter + '+topk[:k=K,nodes=N]' proposes its "
+                                     "top-k token tree (default: plain autoregressive decoding)")
     g.add_argument("--k", type=int, help="drafted tokens verified per round (default 5); "
                                           "short for --length fixed:K")
     g.add_argument("--length", help="speculation length policy: fixed:K, or "
