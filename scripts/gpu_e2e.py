@@ -11,7 +11,7 @@ Sections of the JSON (`--out FILE`, rewritten after every row, so a kill loses n
     τ (`out.stats.mean_accepted()`), speedup over the autoregressive row of the same
     temperature and attention in the same run, and over the faster autoregressive row.
   * `cost_curve`: c(K) = t(K+1 tokens) / t(1) of the target and c(tree) = t(T nodes) / t(1) for
-    binary trees of `--tree-sizes` nodes (`jspec.bench.cost_curve`), per attention impl.
+    binary trees of `--tree-sizes` nodes (`jspec.cost.cost_curve`), per attention impl.
   * `llama8b`: the same curves on a random-weight model of Llama-3-8B's shape (`--llama-layers`
     of its 32 layers), weights made directly in `--dtype` on the device.
   * `kernel_check`: the forward through the Pallas tree-attention kernel against the XLA path
@@ -57,7 +57,8 @@ import jaxlib  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
-from jspec.bench import BENCH_PROMPT, cost_curve, decode_tps  # noqa: E402
+from jspec.bench import BENCH_PROMPT, decode_tps  # noqa: E402
+from jspec.cost import cost_curve  # noqa: E402
 from jspec.drafters import d2sd, dflash, eagle3  # noqa: E402
 from jspec.drafters.trained import DrafterConfig  # noqa: E402
 from jspec.models import KVCache, Model, ModelConfig, Tree, forward, init_weights  # noqa: E402
