@@ -376,26 +376,26 @@ def test_bfloat16_model(name):
 
 
 def test_bfloat16_one_row_matmul_is_padded_on_cpu_and_unchanged():
-    """XLA:CPU's one-row bfloat16 matmul is slow, so `_matmul` computes it as two rows (the
+    """XLA:CPU's one-row bfloat16 matmul is slow, so `matmul` computes it as two rows (the
     second zero) on CPU. The padded product equals the plain einsum, and a bfloat16 decode of
     one token at a time (the padded path) agrees with the multi-token forward."""
-    from jspec.models.llama import _matmul
+    from jspec.models.llama import matmul
 
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((1, 1, 64)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((64, 96)), jnp.bfloat16)
-    got = jax.jit(lambda x, w: _matmul("...d,df->...f", x, w))(x, w)
+    got = jax.jit(lambda x, w: matmul("...d,df->...f", x, w))(x, w)
     want = jnp.einsum("...d,df->...f", x.astype(jnp.float32), w.astype(jnp.float32))
     assert got.shape == (1, 1, 96) and got.dtype == jnp.float32
     _close(got, want, 1e-4)
-    jaxpr = str(jax.make_jaxpr(lambda x, w: _matmul("...d,df->...f", x, w))(x, w))
+    jaxpr = str(jax.make_jaxpr(lambda x, w: matmul("...d,df->...f", x, w))(x, w))
     if jax.default_backend() == "cpu":
         assert "bf16[2,64]" in jaxpr  # the padded operand
     # two rows or float32: the plain einsum, no padding
     assert "bf16[2,64]" not in str(jax.make_jaxpr(
-        lambda x, w: _matmul("...d,df->...f", x, w))(jnp.concatenate([x, x], 1), w))
+        lambda x, w: matmul("...d,df->...f", x, w))(jnp.concatenate([x, x], 1), w))
     assert "[2,64]" not in str(jax.make_jaxpr(
-        lambda x, w: _matmul("...d,df->...f", x, w))(x.astype(jnp.float32), w.astype(jnp.float32)))
+        lambda x, w: matmul("...d,df->...f", x, w))(x.astype(jnp.float32), w.astype(jnp.float32)))
 
     bf = _model("llama_tied_gqa2").astype("bfloat16")
     tokens = _tokens(bf.config, (1, 6), seed=5)
@@ -468,3 +468,29 @@ def test_eval_shape_smollm2_135m():
                                                jnp.zeros((b, 8), jnp.int32), c, mask=Tree(parents)),
                           weights, cache)
     assert tree.logits.shape == (b, 8, 49152)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("t", [1, 4])
+def test_write_slots_matches_numpy_including_the_capacity_edge(dtype, batch, t):
+    """Every write path (one row's window, per-token selects, scatter) writes new[b, i] at
+    slot start[b] + i and drops slots past the capacity (never wraps or clamps)."""
+    from jspec.models.cache import write_slots
+
+    s, kv, hd = 8, 2, 3
+    rng = np.random.default_rng(0)
+    buf = rng.normal(size=(batch, kv, s, hd)).astype(np.float32)
+    new = rng.normal(size=(batch, t, kv, hd)).astype(np.float32)
+    for starts in ([0] * batch, [s - t] * batch, [s - 2] * batch, [s] * batch,
+                   list(range(batch)), [s - 1 - b for b in range(batch)]):
+        want = buf.copy()
+        for b, st in enumerate(starts):
+            for i in range(t):
+                if st + i < s:
+                    want[b, :, st + i] = new[b, i]
+        got = jax.jit(write_slots)(jnp.asarray(buf, dtype), jnp.asarray(new, dtype),
+                                   jnp.asarray(starts, jnp.int32))
+        assert got.dtype == dtype
+        want = np.asarray(jnp.asarray(want, dtype).astype(jnp.float32))
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want, err_msg=str(starts))

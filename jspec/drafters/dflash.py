@@ -325,5 +325,5 @@ class DFlash(TrainedDrafter):
 
 def make(cfg: DrafterConfig, params: Params, vocab_ids: Any, target_weights: Any,
          cut: float = 0.0, name: str = "dflash") -> DFlash:
-    return DFlash(**shared_inputs(vocab_ids, target_weights), params=params, cfg=cfg, cut=cut,
+    return DFlash(**shared_inputs(vocab_ids, target_weights, params), cfg=cfg, cut=cut,
                  name=name)

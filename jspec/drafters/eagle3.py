@@ -213,5 +213,5 @@ class Eagle3(TrainedDrafter):
 
 def make(cfg: DrafterConfig, params: Params, vocab_ids: Any, target_weights: Any,
          cut: float = 0.0, name: str = "eagle3") -> Eagle3:
-    return Eagle3(**shared_inputs(vocab_ids, target_weights), params=params, cfg=cfg, cut=cut,
+    return Eagle3(**shared_inputs(vocab_ids, target_weights, params), cfg=cfg, cut=cut,
                  name=name)

@@ -69,7 +69,7 @@ def export_drafter(drafter: Any, out: str | Path, fmt: str, *, target: Any,
     full_target_head = (fmt == "dflash" and cfg.draft_vocab == v
                         and np.array_equal(vocab, np.arange(v))
                         and np.array_equal(_np(drafter.head),
-                                           _np(shared_inputs(vocab, target.weights)["head"])))
+                                           _np(shared_inputs(vocab, target.weights, {})["head"])))
     if not full_target_head:
         tensors["lm_head.weight"] = _np(drafter.head)
         tensors.update(_vocab_tensors(vocab, v))

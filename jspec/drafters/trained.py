@@ -25,7 +25,7 @@ import numpy as np
 from jspec.drafters.base import Capabilities, ChainDrafter, DraftContext, Proposal
 from jspec.errors import JspecError
 from jspec.models.config import ModelConfig
-from jspec.models.llama import rms_norm, rope
+from jspec.models.llama import matmul, rms_norm, rope
 from jspec.sampling import NEG, Sampling, process_logits
 
 Params = dict[str, jax.Array]
@@ -121,7 +121,9 @@ def standardize(p: Params, feats: jax.Array) -> jax.Array:
 
 
 def dense(x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.einsum("...d,df->...f", x, w, preferred_element_type=jnp.float32)
+    """f32[..., F] = x [..., D] @ w [D, F], in w's dtype with float32 accumulation (the target's
+    `matmul`: a one-row bfloat16 product on CPU takes the fast two-row path)."""
+    return matmul("...d,df->...f", x.astype(w.dtype), w)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -325,13 +327,23 @@ def load_drafter_file(path: str | Path) -> tuple[DrafterConfig, Params, np.ndarr
     return cfg, params, vocab
 
 
-def shared_inputs(vocab_ids: Any, target_weights: Any) -> dict[str, jax.Array]:
-    """The target's embedding, its LM-head rows of the draft vocabulary, the vocabulary ids."""
+# The drafter parameters `dense` multiplies by (in every layer: "l0.wq", ...).
+MATRICES = frozenset({"fc", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"})
+
+
+def shared_inputs(vocab_ids: Any, target_weights: Any, params: Params) -> dict[str, Any]:
+    """What a drafter built for decoding holds besides its config: the target's embedding, its
+    LM-head rows of the draft vocabulary, the vocabulary ids, and the drafter's parameters
+    with its matrices in the target's dtype (trained in float32; a bfloat16 target drafts
+    with bfloat16 matmuls, float32 accumulation; norms, biases and feature statistics stay
+    float32)."""
     vocab = jnp.asarray(np.asarray(vocab_ids), jnp.int32)
     embed = target_weights.embed
     head = (jnp.take(embed, vocab, axis=0) if target_weights.lm_head is None
-            else target_weights.lm_head.T[vocab]).astype(jnp.float32)
-    return {"embed": embed, "head": head, "vocab_ids": vocab}
+            else target_weights.lm_head.T[vocab]).astype(embed.dtype)
+    cast = {k: v.astype(embed.dtype) if k.rsplit(".", 1)[-1] in MATRICES else v
+            for k, v in params.items()}
+    return {"embed": embed, "head": head, "vocab_ids": vocab, "params": cast}
 
 
 def param_count(params: Params) -> int:

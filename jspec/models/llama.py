@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.models.cache import KVCache
+from jspec.models.cache import KVCache, write_slots
 from jspec.models.config import ModelConfig
 from jspec.sharding import shard_kernel
 from pallas_kernels.tree_attention import gpu_kernel_supports, tree_attention
@@ -127,7 +127,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def _matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+def matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """f32[..., F]: einsum(spec, x [..., D], w) with float32 accumulation.
 
     XLA:CPU runs a bfloat16 matmul with a single row on a slow path (measured here: ~8x a
@@ -146,7 +146,7 @@ def _matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
-    return _matmul("...d,df->...f", x, w).astype(x.dtype)
+    return matmul("...d,df->...f", x, w).astype(x.dtype)
 
 
 def attention_mask(cache_lengths: jax.Array, num_new: int, capacity: int,
@@ -204,30 +204,6 @@ class _Attend:
     parents: jax.Array | None  # i32[T] | i32[B, T] | None (chain) (Pallas path)
 
 
-def write_slots(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-    """dtype[B, KV, S, hd]: `buf` with new[b, t] written at slot start[b] + t (slots past S
-    dropped).
-
-    new: [B, T, KV, hd]; start: i32[B]. A scatter, except for a 16-bit buffer on CPU: XLA:CPU
-    scatters a carried float32 cache in place but copies a bfloat16 one in every layer of every
-    step (30 layers of a [64, 3, 256, 64] cache: 54 ms a step), while a select over the whole
-    buffer fuses into one in-place pass (9 ms; docs/BENCHMARKS.md). For float32 the scatter is
-    the faster (4.9 vs 5.7 ms, and the select's fusion recomputes RoPE per slot).
-    """
-    t = new.shape[1]
-    if buf.dtype.itemsize >= 4 or jax.default_backend() != "cpu":
-        slots = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
-        rows = jnp.arange(buf.shape[0], dtype=jnp.int32)[:, None]
-        # Indices (rows, :, slots): the indexed dims come first, so the update is [B, T, KV, hd].
-        return buf.at[rows, :, slots].set(new.astype(buf.dtype), mode="drop")
-    rel = jnp.arange(buf.shape[2], dtype=jnp.int32)[None, :] - start[:, None]  # [B, S]
-    hit = (rel >= 0) & (rel < t)
-    src = jnp.swapaxes(new, 1, 2).astype(buf.dtype)  # [B, KV, T, hd]
-    if t > 1:
-        src = jnp.take_along_axis(src, jnp.clip(rel, 0, t - 1)[:, None, :, None], axis=2)
-    return jnp.where(hit[:, None, :, None], src, buf)
-
-
 def _layer(config: ModelConfig, rot: tuple[jax.Array, jax.Array], x: jax.Array,
            attend: _Attend, ck: jax.Array, cv: jax.Array,
            lw: LayerWeights) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -282,8 +258,8 @@ def _layer(config: ModelConfig, rot: tuple[jax.Array, jax.Array], x: jax.Array,
 def lm_logits(config: ModelConfig, weights: Weights, h: jax.Array) -> jax.Array:
     """f32[..., V] logits from final-normed hidden states h: [..., D]."""
     if weights.lm_head is None:
-        return _matmul("...d,vd->...v", h, weights.embed)
-    return _matmul("...d,dv->...v", h, weights.lm_head)
+        return matmul("...d,vd->...v", h, weights.embed)
+    return matmul("...d,dv->...v", h, weights.lm_head)
 
 
 @jax.tree_util.register_dataclass
