@@ -9,7 +9,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jspec import defaults
 from jspec.errors import JspecError
+
+
+def _shipped_defaults() -> str:
+    """The shipped records, for --help: "smollm2-135m-eagle3: k=3 bfloat16, ..."."""
+    try:
+        data = defaults.read(defaults.SHIPPED)
+    except JspecError:
+        return "(unreadable)"
+    return ", ".join(f"{n}: k={r.get('k')} {r.get('dtype')}" for n, r in data.items()) or "none"
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -60,8 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print one JSON object per prompt (prompt, text, token_ids, new_tokens, "
                         "rounds, mean_accepted, seconds, provenance: machine, jax/jaxlib, dtype, "
                         "command line) instead of streaming text")
-    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="weights/activations dtype (default float32). bfloat16 decodes ~1.2x "
+    g.add_argument("--dtype", choices=("float32", "bfloat16"),
+                   help="weights/activations dtype (default: the drafter's measured-best "
+                        f"record, {_shipped_defaults()}; float32 without a drafter or a record). "
+                        "bfloat16 decodes ~1.2x "
                         "faster on this CPU and verifies K tokens almost at the cost of one, "
                         "but a near-tie can round differently in the verify pass than in a "
                         "one-token step, so greedy speculative output may differ from greedy "
@@ -73,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "drafting, use --k 7), or a draft model directory / .gguf; "
                                      "any chain drafter + '+topk[:k=K,nodes=N]' proposes its "
                                      "top-k token tree (default: plain autoregressive decoding)")
-    g.add_argument("--k", type=int, help="drafted tokens verified per round (default 5); "
-                                          "short for --length fixed:K")
+    g.add_argument("--k", type=int, help="drafted tokens verified per round (default: the "
+                                          "drafter's record, see --dtype; else 5); short for "
+                                          "--length fixed:K")
     g.add_argument("--length", help="speculation length policy: fixed:K, or "
                                     "libraspec[:n=N,d_max=D,alpha=A,widths=W1/W2/..] (per-row "
                                     "dynamic length from the drafter's confidences; block "
@@ -107,6 +120,28 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--percentile", type=float, default=25.0, help="percentile (default 25)")
     c.add_argument("--out", type=Path, default=Path("asd_gate.json"),
                    help="where to save the result (default asd_gate.json)")
+
+    cd = sub.add_parser(
+        "calibrate", help="measure a drafter's best chain length and dtype on this machine",
+        description="Time plain decoding and the drafter at every K in each dtype on real "
+                    "prompts (batch 1; one warm-up and one timed call per prompt), print the "
+                    "table and the best; --save makes it the default `generate` uses for this "
+                    "drafter (the user's jspec.defaults record: $JSPEC_DEFAULTS, else "
+                    "~/.config/jspec/defaults.json; it overrides the shipped record).")
+    cd.add_argument("--model", default="smollm2-135m", help="target model (default smollm2-135m)")
+    cd.add_argument("--drafter", required=True, help="drafter spec, as for generate --drafter")
+    cd.add_argument("--ks", default="2,3,4,5", help="chain lengths to try (default 2,3,4,5)")
+    cd.add_argument("--dtypes", default="bfloat16,float32",
+                    help="target dtypes to try (default bfloat16,float32)")
+    cd.add_argument("--prompts", default="humaneval:8-16",
+                    help="prompt set and range (default humaneval:8-16: held out from the "
+                         "drafters' training and disjoint from the benchmarks' 0-7)")
+    cd.add_argument("--max-new-tokens", type=int, default=96,
+                    help="tokens per prompt (default 96)")
+    cd.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature (default 0: greedy)")
+    cd.add_argument("--save", action="store_true",
+                    help="write the best as this drafter's default (user record)")
 
     cl = sub.add_parser(
         "calibrate-length", help="fit LibraSpec's n and alpha to this machine's c(K)",
@@ -252,6 +287,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                              or args.acceptance_impl != "xla"):
         raise JspecError("--k/--length/--verifier/--acceptance-impl need --drafter")
     verifier = with_acceptance_impl(parse_verifier(args.verifier), args.acceptance_impl)
+    if args.dtype is None:
+        record = defaults.lookup(args.drafter) if args.drafter else None
+        args.dtype = record.dtype if record else "float32"
     model = jspec.load_model(args.model, dtype=args.dtype).with_attention_impl(args.attention_impl)
     if mesh is not None:  # place the weights once (not per prompt), before a drafter shares them
         model = jspec.sharding.shard_model(model, mesh)
@@ -426,6 +464,10 @@ def main(argv: list[str] | None = None) -> int:
             return plot_main(args)
         if args.command == "calibrate-asd":
             return cmd_calibrate_asd(args)
+        if args.command == "calibrate":
+            from jspec.calibrate_defaults import main as calibrate  # noqa: PLC0415
+
+            return calibrate(args)
         if args.command == "calibrate-length":
             from jspec.calibrate import main as calibrate_length  # noqa: PLC0415
 

@@ -203,7 +203,7 @@ def _statics(model: Model, ids: jax.Array, drafter: Any, sampling: Sampling, max
         if not isinstance(drafter, Drafter):
             raise JspecError(f"drafter must implement jspec.drafters.base.Drafter (caps, "
                              f"init_state, draft, observe), got {type(drafter).__name__}")
-        length = FixedLength() if length is None else length
+        length = FixedLength(drafter.caps.default_k) if length is None else length
         verifier = Lossless() if verifier is None else verifier
         if not isinstance(length, (FixedLength, LibraSpec)):
             raise JspecError("length must be a jspec.FixedLength or jspec.LibraSpec, got "

@@ -12,6 +12,9 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# A developer's own `jspec calibrate --save` records must not change what the tests run.
+os.environ["JSPEC_DEFAULTS"] = os.path.join(os.path.dirname(__file__), "fixtures",
+                                            "no-user-defaults.json")
 jax.config.update("jax_default_matmul_precision", "highest")
 
 import jspec  # noqa: E402

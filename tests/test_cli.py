@@ -78,7 +78,7 @@ def test_real_json_output_and_drafter(real_model, tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text(json.dumps({"prompt": "What is the capital of France?"}) + "\n")
     outs = []
-    for extra in ([], ["--drafter", "ngram", "--k", "3"]):
+    for extra in ([], ["--drafter", "ngram", "--k", "3", "--dtype", "float32"]):
         proc = subprocess.run([sys.executable, "-m", "jspec", "generate", "--prompts-file", str(f),
                                "--json", "--max-new-tokens", "16", *extra],
                               capture_output=True, text=True, timeout=600)
@@ -93,6 +93,15 @@ def test_real_json_output_and_drafter(real_model, tmp_path):
         outs.append(rec)
     assert outs[0]["token_ids"] == outs[1]["token_ids"]
     assert outs[1]["rounds"] <= outs[0]["rounds"]
+    # With no --k / --dtype a drafter runs at its shipped record (jspec.defaults).
+    from jspec import defaults
+
+    rec = defaults.lookup("ngram")
+    proc = subprocess.run([sys.executable, "-m", "jspec", "generate", "--prompts-file", str(f),
+                           "--json", "--max-new-tokens", "16", "--drafter", "ngram"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["provenance"]["dtype"] == rec.dtype
 
 
 @pytest.mark.real

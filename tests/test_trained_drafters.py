@@ -193,3 +193,24 @@ def test_shipped_drafters_on_the_real_model(real_model, name, k):
                         length=jspec.FixedLength(k))
     np.testing.assert_array_equal(np.asarray(sp.tokens), np.asarray(ar.tokens))
     assert float(sp.stats.mean_accepted()[0]) >= 1.1
+
+
+@pytest.mark.parametrize("sampling", [Sampling(temperature=1.0), Sampling(temperature=0.25),
+                                      Sampling(temperature=0.7, top_k=3),
+                                      Sampling(temperature=1.3, top_p=0.8),
+                                      Sampling(temperature=1.0, top_k=50)])
+def test_choose_in_the_draft_vocabulary_equals_the_full_vocabulary(sampling):
+    """Drafts are processed and sampled over the draft vocabulary (Vd = 7 here): q must be
+    what temperature / top-k / top-p over the full vocabulary (logits NEG outside the draft
+    vocabulary) gives, and every token a draft-vocabulary id with q > 0."""
+    from jspec.drafters.trained import choose
+    from jspec.sampling import NEG, probs
+
+    v, vocab = 23, jnp.asarray([2, 3, 5, 7, 11, 13, 17], jnp.int32)
+    logits_d = jax.random.normal(jax.random.key(1), (2, 3, 7)) * 2.0
+    full = jnp.full((2, 3, v), NEG).at[..., vocab].set(logits_d)
+    tok, q, conf = choose(logits_d, vocab, v, sampling, jax.random.key(2))
+    np.testing.assert_allclose(np.asarray(q), np.asarray(probs(full, sampling)), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(conf), np.asarray(q).max(-1), atol=1e-6)
+    assert np.isin(np.asarray(tok), np.asarray(vocab)).all()
+    assert (np.take_along_axis(np.asarray(q), np.asarray(tok)[..., None], -1) > 0).all()

@@ -50,6 +50,8 @@ class Capabilities:
     hidden_size: > 0 when its proposals carry hidden states f32[B, N, hidden_size] (a verifier
       with `needs_hidden`, DIVERSED's context head, reads them).
     nodes: for tree drafters, the nodes a proposal holds for chain length k (None: k).
+    default_k: the chain length `generate` uses when given no `length=` (for drafters loaded by
+      name, the measured best of `jspec.defaults`).
     """
 
     feature_layers: tuple[int, ...] = ()
@@ -59,6 +61,7 @@ class Capabilities:
     block_tokens: int = 0
     hidden_size: int = 0
     nodes: Callable[[int], int] | None = None
+    default_k: int = 5
 
     def lookahead(self, k: int) -> int:
         """Cache slots a round writes beyond `last` for chain length k (its proposal's nodes)."""

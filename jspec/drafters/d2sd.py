@@ -156,6 +156,7 @@ class D2SD:
     branches: int = dataclasses.field(metadata=dict(static=True), default=4)
     branch_len: int = dataclasses.field(metadata=dict(static=True), default=1)
     name: str = dataclasses.field(metadata=dict(static=True), default="d2sd")
+    default_k: int = dataclasses.field(metadata=dict(static=True), default=5)
 
     def __post_init__(self) -> None:
         if not isinstance(self.branches, int) or self.branches < 1:
@@ -173,7 +174,8 @@ class D2SD:
         """A tree drafter reading the first drafter's feature layers; no hidden states."""
         return Capabilities(feature_layers=self.first.feature_layers,
                             feature_norm=self.first.feature_norm, tree=True,
-                            nodes=functools.partial(tree_nodes, self.branches, self.branch_len))
+                            nodes=functools.partial(tree_nodes, self.branches, self.branch_len),
+                            default_k=self.default_k)
 
     def num_branches(self, k: int) -> int:
         return min(self.branches, k)

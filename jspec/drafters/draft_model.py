@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jspec.drafters.base import ChainDrafter, DraftContext
+from jspec.drafters.base import Capabilities, ChainDrafter, DraftContext
 from jspec.models.cache import KVCache
 from jspec.models.config import ModelConfig
 from jspec.models.llama import Weights, forward
@@ -34,6 +34,11 @@ class DraftModel(ChainDrafter):
     config: ModelConfig = dataclasses.field(metadata=dict(static=True))
     num_layers: int = dataclasses.field(metadata=dict(static=True), default=0)
     name: str = dataclasses.field(metadata=dict(static=True), default="draft")
+    default_k: int = dataclasses.field(metadata=dict(static=True), default=5)
+
+    @property
+    def caps(self) -> Capabilities:
+        return Capabilities(default_k=self.default_k)
 
     @property
     def layers(self) -> int:

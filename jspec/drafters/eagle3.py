@@ -157,6 +157,7 @@ class Eagle3(TrainedDrafter):
     cfg: DrafterConfig = dataclasses.field(metadata=dict(static=True))
     cut: float = dataclasses.field(metadata=dict(static=True), default=0.0)
     name: str = dataclasses.field(metadata=dict(static=True), default="eagle3")
+    default_k: int = dataclasses.field(metadata=dict(static=True), default=5)
 
     def init_state(self, features: jax.Array, prompt_ids: jax.Array, prompt_lengths: jax.Array,
                    capacity: int, *, k: int, verify_width: int | None = None) -> Eagle3State:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
 
 from safetensors import safe_open
 
+from jspec import defaults
 from jspec.drafters import d2sd, dflash, eagle3, interop, topk_tree
 from jspec.drafters.draft_model import DraftModel
 from jspec.drafters.ngram import NGram
@@ -86,12 +88,21 @@ def load_drafter(name_or_path: str | os.PathLike, *, target: Any = None) -> Any:
     model with the target's tokenizer. `target` may be omitted for trained drafters (their target is
     loaded by name). Any chain drafter followed by "+topk[:k=K,nodes=N]" proposes its top-k token
     tree instead (`jspec.drafters.topk_tree`; defaults k=4, nodes=16).
-    """
 
+    A drafter with a `jspec.defaults` record (the shipped ones, or one the user calibrated)
+    carries its measured-best chain length as `caps.default_k`: what `generate` verifies per
+    round when given no `length=`.
+    """
     name = str(name_or_path)
+    drafter = _load(name, target)
+    record = defaults.lookup(name)
+    return drafter if record is None else dataclasses.replace(drafter, default_k=record.k)
+
+
+def _load(name: str, target: Any) -> Any:
     inner, plus, wrap = name.rpartition("+")
     if plus and inner and split_spec(wrap)[0] in WRAPPERS:
-        return WRAPPERS.parse(wrap, inner=load_drafter(inner, target=target))
+        return WRAPPERS.parse(wrap, inner=load_drafter(inner, target=target))  # inner's k
     kind = name.partition(":")[0]
     if kind in SHIPPED or kind.endswith(".safetensors"):
         opts = TRAINED.options("file", split_spec(name)[1])

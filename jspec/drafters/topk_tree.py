@@ -55,6 +55,7 @@ class TopKTree:
     nodes: int = dataclasses.field(metadata=dict(static=True), default=16)
     draft_temperature: float = dataclasses.field(metadata=dict(static=True), default=0.25)
     name: str = dataclasses.field(metadata=dict(static=True), default="topk-tree")
+    default_k: int = dataclasses.field(metadata=dict(static=True), default=0)  # 0: inner's
 
     def __post_init__(self) -> None:
         if not isinstance(self.inner, Drafter) or self.inner.caps.tree:
@@ -72,7 +73,8 @@ class TopKTree:
     def caps(self) -> Capabilities:
         c = self.inner.caps
         return Capabilities(feature_layers=c.feature_layers, feature_norm=c.feature_norm,
-                            tree=True, nodes=functools.partial(tree_nodes, self.k, self.nodes))
+                            tree=True, nodes=functools.partial(tree_nodes, self.k, self.nodes),
+                            default_k=self.default_k or c.default_k)
 
     def init_state(self, features: jax.Array | None, prompt_ids: jax.Array,
                    prompt_lengths: jax.Array, capacity: int, *, k: int,

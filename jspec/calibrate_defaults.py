@@ -1,0 +1,86 @@
+"""`python -m jspec calibrate`: measure a drafter's best chain length and target dtype here.
+
+For each dtype: plain decoding and the drafter at every K on the same prompts (batch 1, greedy
+unless --temperature; per prompt every configuration in turn, each one warm-up call then one
+timed call; tokens / summed seconds). The best is the (dtype, K) with the most tokens/s; --save
+writes it as the user's `jspec.defaults` record, which `generate` then uses when not told.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+import jspec
+from jspec import defaults
+from jspec.errors import JspecError
+from jspec.prompts import load_prompt_set
+
+
+def timed(model: Any, ids: list[int], max_new: int, sampling: jspec.Sampling, key: jax.Array,
+          **kw: Any) -> tuple[int, float, int]:
+    """(tokens, seconds, rounds) of one `generate` call after one warm-up call."""
+    a = np.asarray([ids], np.int32)
+    jspec.generate(model, a, max_new_tokens=max_new, sampling=sampling, key=key,
+                   **kw).tokens.block_until_ready()
+    t0 = time.perf_counter()
+    out = jspec.generate(model, a, max_new_tokens=max_new, sampling=sampling, key=key, **kw)
+    out.tokens.block_until_ready()
+    sec = time.perf_counter() - t0
+    return int(np.asarray(out.lengths)[0]), sec, int(np.asarray(out.stats.rounds)[0])
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        ks = [int(x) for x in args.ks.split(",")]
+    except ValueError:
+        raise JspecError(f"--ks: integers separated by commas, got {args.ks!r}") from None
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in defaults.DTYPES]
+    if bad or not dtypes:
+        raise JspecError(f"--dtypes: each must be one of {defaults.DTYPES}, got {args.dtypes!r}")
+    if any(not 1 <= k <= 64 for k in ks):
+        raise JspecError(f"--ks must be in [1, 64], got {args.ks!r}")
+    sampling = jspec.Sampling(temperature=args.temperature)
+    rows_text = [r["text"] for r in load_prompt_set(args.prompts)]
+    bar = tqdm(total=len(rows_text) * len(dtypes) * (len(ks) + 1), unit="run",
+               desc="calibrate", dynamic_ncols=True)
+    results: list[tuple[str, int, float, float]] = []  # (dtype, k (0 = plain), tok/s, τ)
+    for dtype in dtypes:
+        model = jspec.load_model(args.model, dtype=dtype)
+        drafter = jspec.load_drafter(args.drafter, target=model)
+        configs = {0: {}} | {k: dict(drafter=drafter, length=jspec.FixedLength(k)) for k in ks}
+        tot = {k: [0, 0.0, 0] for k in configs}
+        # Interleaved: every configuration on a prompt before the next prompt, so a shared
+        # machine's drift in speed does not land on one configuration.
+        for i, text in enumerate(rows_text):
+            ids = model.encode(text)
+            for k, kw in configs.items():
+                n, sec, rounds = timed(model, ids, args.max_new_tokens, sampling,
+                                       jax.random.key(i), **kw)
+                tot[k][0] += n
+                tot[k][1] += sec
+                tot[k][2] += rounds
+                bar.update(1)
+        results += [(dtype, k, n / sec, n / max(r, 1)) for k, (n, sec, r) in tot.items()]
+    bar.close()
+    plain = max(r[2] for r in results if r[1] == 0)
+    print(f"{'dtype':>9} {'K':>3} {'tokens/s':>9} {'tau':>5} {'vs best plain':>13}")
+    for dtype, k, tps, tau in results:
+        print(f"{dtype:>9} {k or '-':>3} {tps:9.1f} {tau:5.2f} {tps / plain:12.2f}x")
+    dtype, k, tps, _ = max((r for r in results if r[1] > 0), key=lambda r: r[2])
+    source = (f"python -m jspec calibrate --drafter {args.drafter} --prompts {args.prompts} "
+              f"--max-new-tokens {args.max_new_tokens} --temperature {args.temperature}: "
+              f"{tps:.1f} tokens/s, {tps / plain:.2f}x the best plain decoding")
+    record = defaults.Record(k=k, dtype=dtype, source=source)
+    print(f"best: k={k} {dtype} ({tps / plain:.2f}x)")
+    if tps < plain:
+        print("note: no configuration beat plain decoding on this machine", flush=True)
+    if args.save:
+        print(f"saved to {defaults.save(args.drafter, record)}")
+    return 0

@@ -1,0 +1,97 @@
+"""Measured-best defaults per drafter (`jspec.defaults`): records, lookup order, and what
+`load_drafter` / `generate` / the CLI take from them."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_model
+
+import jspec
+from jspec import defaults
+from jspec.drafters.loading import SHIPPED
+from jspec.errors import JspecError
+
+
+@pytest.mark.parametrize("spec, key", [
+    ("ngram", "ngram"), ("ngram:n=4", "ngram"),
+    ("smollm2-135m-eagle3:cut=0.5", "smollm2-135m-eagle3"),
+    ("smollm2-135m-eagle3+topk:k=2,nodes=6", "smollm2-135m-eagle3+topk"),
+    ("early-exit:6", "early-exit")])
+def test_base_name(spec, key):
+    assert defaults.base_name(spec) == key
+
+
+def test_shipped_records_are_valid_and_name_shipped_drafters():
+    data = json.loads(defaults.SHIPPED.read_text())
+    assert data, "the shipped defaults file is empty"
+    for name, raw in data.items():
+        assert defaults.base_name(name).split("+")[0] in (*SHIPPED, "ngram"), name
+        rec = defaults.Record(**raw)
+        assert rec.source, f"{name}: a shipped record says where it was measured"
+
+
+def test_user_record_overrides_shipped_and_save_keeps_others(tmp_path, monkeypatch):
+    path = tmp_path / "d.json"
+    monkeypatch.setenv("JSPEC_DEFAULTS", str(path))
+    shipped = defaults.lookup("smollm2-135m-eagle3")
+    assert shipped is not None and shipped.dtype in defaults.DTYPES
+    assert defaults.lookup("ngram:n=2") == defaults.lookup("ngram")
+    defaults.save("ngram:n=4", defaults.Record(k=7, dtype="float32", source="test"))
+    defaults.save("smollm2-135m-eagle3", defaults.Record(k=2, dtype="float32", source="t"))
+    assert defaults.lookup("ngram").k == 7
+    assert defaults.lookup("smollm2-135m-eagle3").k == 2
+    assert defaults.lookup("no-such-drafter") is None
+
+
+@pytest.mark.parametrize("text, match", [
+    ("[1, 2]", "JSON object"), ("{bad", "cannot read"),
+    ('{"ngram": {"k": 0, "dtype": "float32"}}', "k must be"),
+    ('{"ngram": {"k": 3, "dtype": "float16"}}', "dtype must be"),
+    ('{"ngram": {"k": 3, "speed": 2}}', "must be an object")])
+def test_bad_user_file_is_a_clear_error(tmp_path, monkeypatch, text, match):
+    path = tmp_path / "d.json"
+    path.write_text(text)
+    monkeypatch.setenv("JSPEC_DEFAULTS", str(path))
+    with pytest.raises(JspecError, match=match):
+        defaults.lookup("ngram")
+
+
+def test_generate_without_length_uses_the_drafters_recorded_k(tmp_path, monkeypatch):
+    """A record's k reaches `caps.default_k` through load_drafter (shipped, then the user's
+    overriding it), and `generate` with no length= verifies that many drafted tokens per round
+    (Stats.accepted_at has one column per drafted position); an explicit length= still wins;
+    a drafter without a record keeps k = 5."""
+    model = tiny_model()
+    ids = jnp.asarray([[5, 6, 7, 5, 6, 7, 5, 6]], jnp.int32)
+    monkeypatch.setenv("JSPEC_DEFAULTS", str(tmp_path / "d.json"))
+    plain = jspec.generate(model, ids, max_new_tokens=8)
+    early = jspec.load_drafter("early-exit:1", target=model)
+    assert defaults.lookup("early-exit:1") is None and early.caps.default_k == 5
+    assert jspec.generate(model, ids, drafter=early,
+                          max_new_tokens=8).stats.accepted_at.shape == (1, 5)
+    shipped = defaults.lookup("ngram").k
+    assert jspec.load_drafter("ngram", target=model).caps.default_k == shipped
+    user_k = 2 if shipped != 2 else 4
+    defaults.save("ngram", defaults.Record(k=user_k, dtype="float32", source="test"))
+    d = jspec.load_drafter("ngram:n=2", target=model)
+    assert d.caps.default_k == user_k
+    out = jspec.generate(model, ids, drafter=d, max_new_tokens=8)
+    assert out.stats.accepted_at.shape == (1, user_k)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(plain.tokens))
+    assert jspec.generate(model, ids, drafter=d, max_new_tokens=8,
+                          length=jspec.FixedLength(1)).stats.accepted_at.shape == (1, 1)
+    tree = jspec.load_drafter("ngram+topk:k=2,nodes=4", target=model)
+    assert tree.caps.default_k == user_k  # a proposer without its own record keeps the inner's
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--ks", "2,x"], "--ks"), (["--ks", "0"], "--ks"), (["--dtypes", "float16"], "--dtypes")])
+def test_calibrate_refuses_bad_arguments_before_loading(argv, match, capsys):
+    from jspec.cli import main
+
+    assert main(["calibrate", "--drafter", "ngram", *argv]) == 2
+    assert match in capsys.readouterr().err
