@@ -26,7 +26,7 @@ from jspec.drafters.base import Capabilities, ChainDrafter, DraftContext, Propos
 from jspec.errors import JspecError
 from jspec.models.config import ModelConfig
 from jspec.models.llama import matmul, rms_norm, rope
-from jspec.sampling import Sampling, process_logits
+from jspec.sampling import NEG, Sampling, process_logits
 
 Params = dict[str, jax.Array]
 FEATURE_NORMS = ("rms", "none")
@@ -205,14 +205,11 @@ def choose(logits_d: jax.Array, vocab_ids: jax.Array, v: int, sampling: Sampling
         idx = jnp.argmax(logits_d, axis=-1)
         conf = jnp.max(jax.nn.softmax(logits_d, axis=-1), axis=-1)
         return vocab_ids[idx].astype(jnp.int32), None, conf
-    # Processed and sampled in the draft vocabulary: the target-vocabulary logits are NEG
-    # outside it, so temperature, top-k (k <= Vd), top-p and softmax give the same q there and
-    # 0 elsewhere — without sorting or sampling 49,152 entries per drafted token.
-    z = process_logits(logits_d, sampling)
-    idx = jax.random.categorical(key, z, axis=-1)
-    q_d = jax.nn.softmax(z, axis=-1)
-    q = jnp.zeros((*q_d.shape[:-1], v), jnp.float32).at[..., vocab_ids].set(q_d)
-    return vocab_ids[idx].astype(jnp.int32), q, jnp.max(q_d, axis=-1)
+    full = jnp.full((*logits_d.shape[:-1], v), NEG, jnp.float32).at[..., vocab_ids].set(logits_d)
+    z = process_logits(full, sampling)
+    tok = jax.random.categorical(key, z, axis=-1).astype(jnp.int32)
+    q = jax.nn.softmax(z, axis=-1)
+    return tok, q, jnp.max(q, axis=-1)
 
 
 @jax.tree_util.register_dataclass
