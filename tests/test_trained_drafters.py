@@ -200,9 +200,9 @@ def test_shipped_drafters_on_the_real_model(real_model, name, k):
                                       Sampling(temperature=1.3, top_p=0.8),
                                       Sampling(temperature=1.0, top_k=50)])
 def test_choose_in_the_draft_vocabulary_equals_the_full_vocabulary(sampling):
-    """Drafts are processed and sampled over the draft vocabulary (Vd = 7 here): q must be
-    what temperature / top-k / top-p over the full vocabulary (logits NEG outside the draft
-    vocabulary) gives, and every token a draft-vocabulary id with q > 0."""
+    """Draft-vocabulary logits (Vd = 7 here): q must be what temperature / top-k / top-p over
+    the full vocabulary (logits NEG outside the draft vocabulary) gives, and every token a
+    draft-vocabulary id with q > 0 (the contract a draft-vocabulary sampler must also keep)."""
     from jspec.drafters.trained import choose
     from jspec.sampling import NEG, probs
 

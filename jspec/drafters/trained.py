@@ -189,6 +189,12 @@ def verify_head(p: Params, h: jax.Array) -> jax.Array:
     return dense(h, p["vh_w"][:, None])[..., 0] + p["vh_b"][0]
 
 
+def to_full_vocab(logits_d: jax.Array, vocab_ids: jax.Array, v: int) -> jax.Array:
+    """f32[..., V]: draft-vocabulary logits scattered into the target vocabulary (NEG elsewhere)."""
+    full = jnp.full((*logits_d.shape[:-1], v), NEG, jnp.float32)
+    return full.at[..., vocab_ids].set(logits_d)
+
+
 def choose(logits_d: jax.Array, vocab_ids: jax.Array, v: int, sampling: Sampling,
            key: jax.Array) -> tuple[jax.Array, jax.Array | None, jax.Array]:
     """Pick draft tokens from draft-vocab logits [B, K, Vd].
@@ -205,8 +211,7 @@ def choose(logits_d: jax.Array, vocab_ids: jax.Array, v: int, sampling: Sampling
         idx = jnp.argmax(logits_d, axis=-1)
         conf = jnp.max(jax.nn.softmax(logits_d, axis=-1), axis=-1)
         return vocab_ids[idx].astype(jnp.int32), None, conf
-    full = jnp.full((*logits_d.shape[:-1], v), NEG, jnp.float32).at[..., vocab_ids].set(logits_d)
-    z = process_logits(full, sampling)
+    z = process_logits(to_full_vocab(logits_d, vocab_ids, v), sampling)
     tok = jax.random.categorical(key, z, axis=-1).astype(jnp.int32)
     q = jax.nn.softmax(z, axis=-1)
     return tok, q, jnp.max(q, axis=-1)
