@@ -24,7 +24,7 @@ from jspec.length import FixedLength, LibraSpec
 from jspec.models.config import ModelConfig
 from jspec.models.llama import Chain, Tree, Weights, forward
 from jspec.sampling import Sampling, sample
-from jspec.state import SpecState, commit, features, prefill
+from jspec.state import SpecState, commit, features, is_eos, prefill
 from jspec.verify.base import Verifier
 
 LengthPolicy = FixedLength | LibraSpec
@@ -61,6 +61,15 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
         # -1: nothing proposed at that node. A finished row proposes nothing either, so
         # verifiers with running measurements (DIVERSED, ASD) leave it alone.
         valid = prop.valid & live[:, None]
+        if prop.is_chain:
+            # Slots no commit can keep (past the first drafted EOS, or past max_new_tokens) are
+            # not verified: the committed tokens are the same, and verifiers with running
+            # measurements (DIVERSED, ASD) only see tokens that land in the output.
+            j = jnp.arange(valid.shape[1], dtype=jnp.int32)[None]
+            first_eos = jnp.min(jnp.where(is_eos(prop.tokens, eos_ids) & valid, j,
+                                          valid.shape[1]), axis=1)
+            room = state.tokens.shape[1] - state.num_new
+            valid = valid & (j <= first_eos[:, None]) & (j < room[:, None])
         draft = jnp.where(valid, prop.tokens, 0)  # [B, N]
         depth = None if prop.is_chain else prop.depth()
     b = draft.shape[0]

@@ -9,10 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import pad_prompts as _pad
+from conftest import tiny_model
 from scipy import stats
 from test_trained_drafters import PROMPTS, tiny_drafter
 
 import jspec
+from jspec.drafters import DraftModel
 from jspec.errors import JspecError
 from jspec.sampling import Sampling
 from jspec.verify import Diversed, DiversedHead, parse_verifier, verify_chain
@@ -330,6 +332,27 @@ def test_records_belong_to_their_own_tokens():
         assert (rec < lengths[b]).all() and 0 not in rec  # token 0 comes from the prefill
         np.testing.assert_allclose(st.p_y[b, rec], want[rec], rtol=1e-4, atol=1e-6)
         assert (st.q_y[b, rec] >= 0).all() and (st.tv[b, rec] > 0).all()
+
+
+@pytest.mark.parametrize("cut", ["eos", "max_new_tokens"])
+def test_records_stop_where_the_output_stops(cut):
+    """A drafter that is the target itself (every draft accepted, greedy, K = 5): a row that ends
+    inside a round — at an EOS that is the 3rd token (a drafted slot of round 1), or at max_new_tokens = 8 — records DIVERSED
+    measurements only for tokens in its output (slots past the end used to be recorded)."""
+    model = tiny_model("llama_tied_gqa2", seed=1)
+    ids = np.asarray([[5, 6, 7]], np.int32)
+    ar = np.asarray(jspec.generate(model, ids, max_new_tokens=20).tokens[0])
+    eos, n_max = (int(ar[2]), 20) if cut == "eos" else (-5, 8)
+    m2 = jspec.Model(config=model.config.replace(eos_ids=(eos,) if eos >= 0 else ()),
+                     weights=model.weights)
+    out = jspec.generate(m2, ids, max_new_tokens=n_max, length=jspec.FixedLength(5),
+                         drafter=DraftModel(weights=model.weights, config=m2.config),
+                         verifier=Diversed(weight=0.5, record=True))
+    st, n = jax.device_get(out.verifier), int(out.lengths[0])
+    assert n == (int(np.flatnonzero(ar == eos)[0]) + 1 if cut == "eos" else n_max)
+    rec = np.flatnonzero(st.relaxed[0])
+    assert len(rec) > 0 and rec.max() < n
+    assert int(st.positions[0]) == len(rec) and int(out.stats.accepted[0]) < n
 
 
 def test_finished_rows_stop_adding_to_measurements():

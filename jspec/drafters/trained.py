@@ -211,10 +211,14 @@ def choose(logits_d: jax.Array, vocab_ids: jax.Array, v: int, sampling: Sampling
         idx = jnp.argmax(logits_d, axis=-1)
         conf = jnp.max(jax.nn.softmax(logits_d, axis=-1), axis=-1)
         return vocab_ids[idx].astype(jnp.int32), None, conf
-    z = process_logits(to_full_vocab(logits_d, vocab_ids, v), sampling)
-    tok = jax.random.categorical(key, z, axis=-1).astype(jnp.int32)
-    q = jax.nn.softmax(z, axis=-1)
-    return tok, q, jnp.max(q, axis=-1)
+    # Processed and sampled in the draft vocabulary: the target-vocabulary logits are NEG
+    # outside it, so temperature, top-k (k <= Vd), top-p and softmax give the same q there and
+    # 0 elsewhere — without sorting or sampling 49,152 entries per drafted token.
+    z = process_logits(logits_d, sampling)
+    idx = jax.random.categorical(key, z, axis=-1)
+    q_d = jax.nn.softmax(z, axis=-1)
+    q = jnp.zeros((*q_d.shape[:-1], v), jnp.float32).at[..., vocab_ids].set(q_d)
+    return vocab_ids[idx].astype(jnp.int32), q, jnp.max(q_d, axis=-1)
 
 
 @jax.tree_util.register_dataclass
