@@ -77,7 +77,9 @@ def main(args: argparse.Namespace) -> int:
     source = (f"python -m jspec calibrate --drafter {args.drafter} --prompts {args.prompts} "
               f"--max-new-tokens {args.max_new_tokens} --temperature {args.temperature}: "
               f"{tps:.1f} tokens/s, {tps / plain:.2f}x the best plain decoding")
-    record = defaults.Record(k=k, dtype=dtype, source=source)
+    prior = defaults.lookup(args.drafter)  # batch-1 calibration keeps the record's batch limit
+    record = defaults.Record(k=k, dtype=dtype, source=source,
+                             max_batch=prior.max_batch if prior else 0)
     print(f"best: k={k} {dtype} ({tps / plain:.2f}x)")
     if tps < plain:
         print("note: no configuration beat plain decoding on this machine", flush=True)

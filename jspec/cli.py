@@ -19,7 +19,9 @@ def _shipped_defaults() -> str:
         data = defaults.read(defaults.SHIPPED)
     except JspecError:
         return "(unreadable)"
-    return ", ".join(f"{n}: k={r.get('k')} {r.get('dtype')}" for n, r in data.items()) or "none"
+    return ", ".join(f"{n}: k={r.get('k')} {r.get('dtype')}"
+                     + (f" up to batch {r['max_batch']}" if r.get("max_batch") else "")
+                     for n, r in data.items()) or "none"
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -86,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "any chain drafter + '+topk[:k=K,nodes=N]' proposes its "
                                      "top-k token tree (default: plain autoregressive decoding)")
     g.add_argument("--k", type=int, help="drafted tokens verified per round (default: the "
-                                          "drafter's record, see --dtype; else 5); short for "
-                                          "--length fixed:K")
+                                          "drafter's record, see --dtype; else 5; past the "
+                                          "record's batch limit, plain decoding, which is "
+                                          "faster there); short for --length fixed:K")
     g.add_argument("--length", help="speculation length policy: fixed:K, or "
                                     "libraspec[:n=N,d_max=D,alpha=A,widths=W1/W2/..] (per-row "
                                     "dynamic length from the drafter's confidences; block "

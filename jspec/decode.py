@@ -135,7 +135,10 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
       padding_side: "right" (default: real tokens first) or "left" (Hugging Face batches: real
         tokens last; rows are moved to the right-padded layout with a per-row gather, also
         under jit).
-      drafter: None for plain autoregressive decoding.
+      drafter: None for plain autoregressive decoding. Given no `length=` and Lossless
+        verification, a batch larger than `drafter.caps.max_batch` (the measured point past
+        which speculation stops paying, `jspec.defaults`) is decoded plainly: the same output
+        distribution, greedy the same tokens; pass `length=` to speculate regardless.
       max_new_tokens: static maximum of new tokens per row.
       sampling: `Sampling(temperature, top_k, top_p)`; temperature 0 is greedy.
       key: PRNG key for sampling (default `jax.random.key(0)`).
@@ -156,6 +159,8 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
     ids, lengths = validate_prompts(model, prompt_ids, prompt_lengths, max_new_tokens, capacity,
                                     attention_mask=attention_mask, padding_side=padding_side)
     ids = pad_to_bucket(ids)
+    if _plain_is_faster(drafter, length, verifier, ids.shape[0]):
+        drafter, verifier = None, None
     key = jax.random.key(0) if key is None else key
     statics = _statics(model, ids, drafter, sampling, max_new_tokens, verifier, length, capacity,
                        mesh)
@@ -166,6 +171,15 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
         if statics["mesh"] is None and not isinstance(ids, jax.core.Tracer):
             _check_memory(weights, drafter, verifier, ids, lengths, key, statics)
         return _generate(weights, drafter, verifier, ids, lengths, key, **statics)
+
+
+def _plain_is_faster(drafter: Any, length: Any, verifier: Any, batch: int) -> bool:
+    """No `length=` asked for, a batch past the drafter's measured `caps.max_batch` (0: no
+    limit), lossless verification: plain decoding is the faster way to the same distribution."""
+    if drafter is None or length is not None or not isinstance(drafter, Drafter):
+        return False
+    limit = drafter.caps.max_batch
+    return 0 < limit < batch and (verifier is None or isinstance(verifier, Lossless))
 
 
 def _check_memory(weights: Weights, drafter: Any, verifier: Any, ids: jax.Array,
@@ -255,6 +269,8 @@ def stream(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
     ids, lengths = validate_prompts(model, prompt_ids, prompt_lengths, max_new_tokens, capacity=None,
                                     attention_mask=attention_mask, padding_side=padding_side)
     ids = pad_to_bucket(ids)
+    if _plain_is_faster(drafter, length, verifier, ids.shape[0]):
+        drafter, verifier = None, None
     key = jax.random.key(0) if key is None else key
     statics = _statics(model, ids, drafter, sampling, max_new_tokens, verifier, length, None,
                        mesh)

@@ -27,11 +27,14 @@ DTYPES = ("float32", "bfloat16")
 
 @dataclasses.dataclass(frozen=True)
 class Record:
-    """k: drafted tokens per round; dtype: the target's dtype; source: where it was measured."""
+    """k: drafted tokens per round; dtype: the target's dtype; max_batch: the largest batch at
+    which speculation beat plain decoding (0: no limit; past it `generate` with no `length=`
+    decodes plainly); source: where it was measured."""
 
     k: int = 5
     dtype: str = "float32"
     source: str = ""
+    max_batch: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or not 1 <= self.k <= 64:
@@ -39,6 +42,9 @@ class Record:
         if self.dtype not in DTYPES:
             raise JspecError(f"defaults record: dtype must be one of {DTYPES}, got "
                              f"{self.dtype!r}")
+        if not isinstance(self.max_batch, int) or self.max_batch < 0:
+            raise JspecError(f"defaults record: max_batch must be an integer >= 0 (0: no limit), "
+                             f"got {self.max_batch!r}")
 
 
 def user_path() -> Path:
@@ -66,8 +72,9 @@ def read(path: Path) -> dict[str, Any]:
 
 
 def _record(raw: Any, path: Path, key: str) -> Record:
-    if not isinstance(raw, dict) or set(raw) - {"k", "dtype", "source"}:
-        raise JspecError(f"{path}: record {key!r} must be an object with k, dtype, source")
+    if not isinstance(raw, dict) or set(raw) - {"k", "dtype", "source", "max_batch"}:
+        raise JspecError(f"{path}: record {key!r} must be an object with k, dtype, source "
+                         f"(and max_batch)")
     return Record(**raw)
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -51,6 +52,7 @@ def test_user_record_overrides_shipped_and_save_keeps_others(tmp_path, monkeypat
     ("[1, 2]", "JSON object"), ("{bad", "cannot read"),
     ('{"ngram": {"k": 0, "dtype": "float32"}}', "k must be"),
     ('{"ngram": {"k": 3, "dtype": "float16"}}', "dtype must be"),
+    ('{"ngram": {"k": 3, "dtype": "float32", "max_batch": -1}}', "max_batch must be"),
     ('{"ngram": {"k": 3, "speed": 2}}', "must be an object")])
 def test_bad_user_file_is_a_clear_error(tmp_path, monkeypatch, text, match):
     path = tmp_path / "d.json"
@@ -86,6 +88,37 @@ def test_generate_without_length_uses_the_drafters_recorded_k(tmp_path, monkeypa
                           length=jspec.FixedLength(1)).stats.accepted_at.shape == (1, 1)
     tree = jspec.load_drafter("ngram+topk:k=2,nodes=4", target=model)
     assert tree.caps.default_k == user_k  # a proposer without its own record keeps the inner's
+
+
+def test_generate_decodes_plainly_past_the_recorded_batch(tmp_path, monkeypatch):
+    """A record's max_batch = 2 reaches `caps.max_batch` (also through a +topk proposer); with
+    no length= a batch of 3 is decoded plainly (nothing drafted, the same greedy tokens), a
+    batch of 2 speculates, and an explicit length= or a relaxed verifier keeps speculating."""
+    model = tiny_model()
+    monkeypatch.setenv("JSPEC_DEFAULTS", str(tmp_path / "d.json"))
+    defaults.save("ngram", defaults.Record(k=2, dtype="float32", source="t", max_batch=2))
+    d = jspec.load_drafter("ngram", target=model)
+    assert d.caps.max_batch == 2
+    assert jspec.load_drafter("ngram+topk:k=2,nodes=4", target=model).caps.max_batch == 2
+    ids = jnp.asarray([[5, 6, 7, 5, 6, 7, 5, 6]] * 3, jnp.int32)
+
+    def drafted(out):
+        return int(np.sum(np.asarray(out.stats.drafted)))
+
+    plain = jspec.generate(model, ids, max_new_tokens=8)
+    auto = jspec.generate(model, ids, drafter=d, max_new_tokens=8)
+    assert drafted(auto) == 0
+    assert drafted(jspec.generate(model, ids, drafter=d, max_new_tokens=8,
+                                  verifier=jspec.Lossless())) == 0
+    np.testing.assert_array_equal(np.asarray(auto.tokens), np.asarray(plain.tokens))
+    assert drafted(jspec.generate(model, ids[:2], drafter=d, max_new_tokens=8)) > 0
+    forced = jspec.generate(model, ids, drafter=d, max_new_tokens=8, length=jspec.FixedLength(2))
+    assert drafted(forced) > 0
+    np.testing.assert_array_equal(np.asarray(forced.tokens), np.asarray(plain.tokens))
+    relaxed = jspec.generate(model, ids, drafter=d, max_new_tokens=8, verifier=jspec.ASD())
+    assert drafted(relaxed) > 0
+    unlimited = dataclasses.replace(d, max_batch=0)
+    assert drafted(jspec.generate(model, ids, drafter=unlimited, max_new_tokens=8)) > 0
 
 
 @pytest.mark.parametrize("argv, match", [

@@ -337,8 +337,9 @@ def test_records_belong_to_their_own_tokens():
 @pytest.mark.parametrize("cut", ["eos", "max_new_tokens"])
 def test_records_stop_where_the_output_stops(cut):
     """A drafter that is the target itself (every draft accepted, greedy, K = 5): a row that ends
-    inside a round — at an EOS that is the 3rd token (a drafted slot of round 1), or at max_new_tokens = 8 — records DIVERSED
-    measurements only for tokens in its output (slots past the end used to be recorded)."""
+    inside a round — at an EOS that is the 3rd token (a drafted slot of round 1), or at
+    max_new_tokens = 8 — records DIVERSED measurements only for tokens in its output (slots
+    past the end used to be recorded)."""
     model = tiny_model("llama_tied_gqa2", seed=1)
     ids = np.asarray([[5, 6, 7]], np.int32)
     ar = np.asarray(jspec.generate(model, ids, max_new_tokens=20).tokens[0])

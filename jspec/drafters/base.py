@@ -52,6 +52,9 @@ class Capabilities:
     nodes: for tree drafters, the nodes a proposal holds for chain length k (None: k).
     default_k: the chain length `generate` uses when given no `length=` (for drafters loaded by
       name, the measured best of `jspec.defaults`).
+    max_batch: the largest batch at which speculation was measured faster than plain decoding
+      (0: no limit); `generate` given no `length=` decodes a larger batch plainly (Lossless
+      verification only: the same output distribution, greedy the same tokens).
     """
 
     feature_layers: tuple[int, ...] = ()
@@ -62,6 +65,7 @@ class Capabilities:
     hidden_size: int = 0
     nodes: Callable[[int], int] | None = None
     default_k: int = 5
+    max_batch: int = 0
 
     def lookahead(self, k: int) -> int:
         """Cache slots a round writes beyond `last` for chain length k (its proposal's nodes)."""

@@ -157,6 +157,7 @@ class D2SD:
     branch_len: int = dataclasses.field(metadata=dict(static=True), default=1)
     name: str = dataclasses.field(metadata=dict(static=True), default="d2sd")
     default_k: int = dataclasses.field(metadata=dict(static=True), default=5)
+    max_batch: int = dataclasses.field(metadata=dict(static=True), default=0)
 
     def __post_init__(self) -> None:
         if not isinstance(self.branches, int) or self.branches < 1:
@@ -175,7 +176,7 @@ class D2SD:
         return Capabilities(feature_layers=self.first.feature_layers,
                             feature_norm=self.first.feature_norm, tree=True,
                             nodes=functools.partial(tree_nodes, self.branches, self.branch_len),
-                            default_k=self.default_k)
+                            default_k=self.default_k, max_batch=self.max_batch)
 
     def num_branches(self, k: int) -> int:
         return min(self.branches, k)

@@ -209,6 +209,7 @@ class DFlash(TrainedDrafter):
     cut: float = dataclasses.field(metadata=dict(static=True), default=0.0)
     name: str = dataclasses.field(metadata=dict(static=True), default="dflash")
     default_k: int = dataclasses.field(metadata=dict(static=True), default=5)
+    max_batch: int = dataclasses.field(metadata=dict(static=True), default=0)
 
     def _write(self, ck, cv, feats, positions):
         c = context(self.cfg, self.params, feats)

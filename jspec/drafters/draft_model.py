@@ -35,10 +35,11 @@ class DraftModel(ChainDrafter):
     num_layers: int = dataclasses.field(metadata=dict(static=True), default=0)
     name: str = dataclasses.field(metadata=dict(static=True), default="draft")
     default_k: int = dataclasses.field(metadata=dict(static=True), default=5)
+    max_batch: int = dataclasses.field(metadata=dict(static=True), default=0)
 
     @property
     def caps(self) -> Capabilities:
-        return Capabilities(default_k=self.default_k)
+        return Capabilities(default_k=self.default_k, max_batch=self.max_batch)
 
     @property
     def layers(self) -> int:

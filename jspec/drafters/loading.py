@@ -91,12 +91,14 @@ def load_drafter(name_or_path: str | os.PathLike, *, target: Any = None) -> Any:
 
     A drafter with a `jspec.defaults` record (the shipped ones, or one the user calibrated)
     carries its measured-best chain length as `caps.default_k`: what `generate` verifies per
-    round when given no `length=`.
+    round when given no `length=`, and `caps.max_batch`: past that batch such a `generate`
+    decodes plainly (speculation stops paying there).
     """
     name = str(name_or_path)
     drafter = _load(name, target)
     record = defaults.lookup(name)
-    return drafter if record is None else dataclasses.replace(drafter, default_k=record.k)
+    return drafter if record is None else dataclasses.replace(drafter, default_k=record.k,
+                                                              max_batch=record.max_batch)
 
 
 def _load(name: str, target: Any) -> Any:

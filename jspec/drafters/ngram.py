@@ -27,6 +27,7 @@ class NGram(ChainDrafter):
     n_max: int = 3
     n_min: int = 1
     default_k: int = 5
+    max_batch: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_min <= self.n_max:
@@ -36,7 +37,8 @@ class NGram(ChainDrafter):
 
     @property
     def caps(self) -> Capabilities:
-        return Capabilities(may_abstain=True, default_k=self.default_k)
+        return Capabilities(may_abstain=True, default_k=self.default_k,
+                            max_batch=self.max_batch)
 
     def init_state(self, features: Any, prompt_ids: jax.Array, prompt_lengths: jax.Array,
                    capacity: int, *, k: int = 0, verify_width: int = 0) -> None:
