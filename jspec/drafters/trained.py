@@ -26,7 +26,7 @@ from jspec.drafters.base import Capabilities, ChainDrafter, DraftContext, Propos
 from jspec.errors import JspecError
 from jspec.models.config import ModelConfig
 from jspec.models.llama import matmul, rms_norm, rope
-from jspec.sampling import NEG, Sampling, process_logits
+from jspec.sampling import Sampling, process_logits
 
 Params = dict[str, jax.Array]
 FEATURE_NORMS = ("rms", "none")
@@ -187,12 +187,6 @@ def draft_logits(cfg: DrafterConfig, p: Params, head: jax.Array, h: jax.Array) -
 def verify_head(p: Params, h: jax.Array) -> jax.Array:
     """VAT verification head: f32[...] logit of v̂ (sigmoid -> probability of acceptance)."""
     return dense(h, p["vh_w"][:, None])[..., 0] + p["vh_b"][0]
-
-
-def to_full_vocab(logits_d: jax.Array, vocab_ids: jax.Array, v: int) -> jax.Array:
-    """f32[..., V]: draft-vocabulary logits scattered into the target vocabulary (NEG elsewhere)."""
-    full = jnp.full((*logits_d.shape[:-1], v), NEG, jnp.float32)
-    return full.at[..., vocab_ids].set(logits_d)
 
 
 def choose(logits_d: jax.Array, vocab_ids: jax.Array, v: int, sampling: Sampling,
