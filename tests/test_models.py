@@ -472,13 +472,14 @@ def test_eval_shape_smollm2_135m():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("t", [1, 4])
+@pytest.mark.parametrize("t", [1, 4, 20])
 def test_write_slots_matches_numpy_including_the_capacity_edge(dtype, batch, t):
-    """Every write path (one row's window, per-token selects, scatter) writes new[b, i] at
-    slot start[b] + i and drops slots past the capacity (never wraps or clamps)."""
+    """Every write path (one row's window, per-token selects, scatter; t = 20 is past
+    MAX_SELECT_TOKENS, a prefill) writes new[b, i] at slot start[b] + i and drops slots past
+    the capacity (never wraps or clamps)."""
     from jspec.models.cache import write_slots
 
-    s, kv, hd = 8, 2, 3
+    s, kv, hd = (8 if t < 8 else 24), 2, 3
     rng = np.random.default_rng(0)
     buf = rng.normal(size=(batch, kv, s, hd)).astype(np.float32)
     new = rng.normal(size=(batch, t, kv, hd)).astype(np.float32)

@@ -9,6 +9,9 @@ import jax.numpy as jnp
 
 from jspec.models.config import ModelConfig
 
+# Verify widths (K + 1, tree nodes) stay on the select path; a prefill takes the scatter.
+MAX_SELECT_TOKENS = 16
+
 
 def write_slots(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     """dtype[B, KV, S, hd]: `buf` with new[b, t] written at slot start[b] + t (slots past S
@@ -21,7 +24,9 @@ def write_slots(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     cache in place but copies a bfloat16 one (30 layers of [64, 3, 256, 64]: 54 ms a step for
     the scatter, 9 ms for one select), and one select over all T tokens gathers per slot and
     recomputes RoPE there (T = 4, batch 16: 209 ms a verify against 92 for T selects).
-    Otherwise a scatter.
+    Otherwise, and for more than MAX_SELECT_TOKENS new tokens (a prefill: T selects over the
+    buffer are O(T·S) work and compile; at batch 8, 128 prompt tokens, a bfloat16 forward took
+    46 s to compile), a scatter.
     """
     b, t = new.shape[:2]
     src = jnp.swapaxes(new, 1, 2).astype(buf.dtype)  # [B, KV, T, hd]
@@ -32,7 +37,7 @@ def write_slots(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
         win = jnp.take(src, jnp.clip(j, 0, t - 1), axis=2)
         win = jnp.where(((j >= 0) & (j < t))[None, None, :, None], win, old)
         return jax.lax.dynamic_update_slice_in_dim(buf, win, s0, axis=2)
-    if buf.dtype.itemsize >= 4 or jax.default_backend() != "cpu":
+    if buf.dtype.itemsize >= 4 or jax.default_backend() != "cpu" or t > MAX_SELECT_TOKENS:
         slots = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
         rows = jnp.arange(b, dtype=jnp.int32)[:, None]
         # Indices (rows, :, slots): the indexed dims come first, so the update is [B, T, KV, hd].
