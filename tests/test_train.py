@@ -73,6 +73,38 @@ def test_datagen_shards_hold_the_targets_own_features(tiny_data):
                                rtol=2e-2)
 
 
+def test_token_shards_featurized_match_the_recorded_features(tiny_data):
+    """`datagen --tokens-only` + `featurize` == `datagen` (greedy: the same tokens; features of
+    one forward over the finished sequence == those recorded while decoding, to f16 rounding)."""
+    tmp, _ = tiny_data
+    prompts = tmp / "tiny.jsonl"
+    r = _run(["datagen", "--model", str(tmp / "target"), "--out", str(tmp / "tok"),
+              "--prompts-file", str(prompts), "--backend", "jax", "--max-new", "24",
+              "--batch", "4", "--modes", "greedy", "--tokens-only"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = _run(["featurize", "--tokens", str(tmp / "tok"), "--out", str(tmp / "feat"),
+              "--feature-layers", "0", "1", "2", "--tokens-per-call", "64"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    files = sorted((tmp / "data").glob("tiny-greedy-*.npz"))
+    assert len(files) == 3
+    for f in files:
+        tok, got, want = load_shard(tmp / "tok" / f.name), load_shard(tmp / "feat" / f.name), \
+            load_shard(f)
+        assert tok.feats is None
+        for k in ("tokens", "offsets", "prompt_lens"):
+            np.testing.assert_array_equal(getattr(got, k), getattr(want, k))
+        np.testing.assert_allclose(got.feats.astype(np.float32), want.feats.astype(np.float32),
+                                   atol=2e-2, rtol=2e-2)
+        assert np.all(got.feats[want.offsets[1:] - 1] == 0)  # never-fed last tokens
+    # Resumable: a second run does nothing; a token shard refuses --dtype without --tokens-only.
+    r = _run(["featurize", "--tokens", str(tmp / "tok"), "--out", str(tmp / "feat"),
+              "--feature-layers", "0", "1", "2"])
+    assert r.returncode == 0 and "3 already done" in r.stdout, r.stdout + r.stderr[-2000:]
+    r = _run(["datagen", "--model", str(tmp / "target"), "--out", str(tmp / "bad"),
+              "--prompts-file", str(prompts), "--dtype", "bfloat16"])
+    assert r.returncode != 0 and "--tokens-only" in r.stderr
+
+
 TRAIN = ["--steps", "{steps}", "--ckpt-every", "2", "--eval-every", "4", "--draft-vocab", "64",
          "--batch-tokens", "128", "--seq-buckets", "64", "--ffn", "32", "--lr", "3e-3",
          "--warmup", "2"]

@@ -7,11 +7,12 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from train import datagen, magpie  # noqa: PLC0415
+    from train import datagen, featurize, magpie  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(prog="python -m train", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     datagen.add_parser(sub)
+    featurize.add_parser(sub)
     magpie.add_parser(sub)
     try:
         from train import d2sd, diversed, drafters, export  # noqa: PLC0415

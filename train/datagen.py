@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+import jspec
 from jspec.models.cache import KVCache
 from jspec.models.config import ModelConfig
 from jspec.models.llama import Weights, forward, lm_logits, rms_normalize
@@ -71,9 +72,10 @@ MODES = {"greedy": Sampling(), "sample": Sampling(temperature=1.0)}
 
 
 def _torch_generate(hf: Any, prompts: list[list[int]], sampling: Sampling, max_new: int,
-                    eos_id: int, seed: int, layers: tuple[int, ...] = FEATURE_LAYERS
-                    ) -> tuple[np.ndarray, ...]:
-    """The torch backend of `generate_with_features` (same outputs, numpy)."""
+                    eos_id: int, seed: int, layers: tuple[int, ...] = FEATURE_LAYERS,
+                    with_feats: bool = True) -> tuple[Any, ...]:
+    """The torch backend of `generate_with_features` (same outputs, numpy; the two feature
+    arrays are None when not `with_feats`)."""
     import torch  # noqa: PLC0415
 
     b = len(prompts)
@@ -88,9 +90,9 @@ def _torch_generate(hf: Any, prompts: list[list[int]], sampling: Sampling, max_n
           dict(do_sample=True, temperature=sampling.temperature, top_k=0, top_p=1.0))
     with torch.no_grad():
         g = hf.generate(ids, attention_mask=mask, max_new_tokens=max_new,
-                        output_hidden_states=True, return_dict_in_generate=True,
+                        output_hidden_states=with_feats, return_dict_in_generate=True,
                         pad_token_id=eos_id, eos_token_id=eos_id, **kw)
-    hs = g.hidden_states  # steps x (L+1) x [B, T, D]; [L] is after the final norm
+    hs = g.hidden_states  # steps x (L+1) x [B, T, D]; [L] is after the final norm (or None)
 
     def pick(step):  # [B, T, F, D]
         f = [hs[step][i].float().numpy() for i in layers]
@@ -100,7 +102,6 @@ def _torch_generate(hf: Any, prompts: list[list[int]], sampling: Sampling, max_n
 
     seqs = g.sequences[:, p:].numpy().astype(np.int32)
     n_steps = seqs.shape[1]
-    d = hs[0][0].shape[-1]
     toks = np.full((b, max_new), -1, np.int32)
     n = np.zeros((b,), np.int32)
     for r in range(b):
@@ -108,6 +109,9 @@ def _torch_generate(hf: Any, prompts: list[list[int]], sampling: Sampling, max_n
         eos = np.nonzero(row == eos_id)[0]
         n[r] = eos[0] + 1 if len(eos) else n_steps
         toks[r, : n[r]] = row[: n[r]]
+    if not with_feats:
+        return None, toks, n, None
+    d = hs[0][0].shape[-1]
     pf0 = pick(0)
     pf = np.zeros((b, p, len(layers) + 1, d), np.float16)
     for r, x in enumerate(prompts):  # back to right padding
@@ -118,15 +122,14 @@ def _torch_generate(hf: Any, prompts: list[list[int]], sampling: Sampling, max_n
     return pf, toks, n, rf
 
 
-def load_hf_target(model_name: str) -> Any:
+def load_hf_target(model_name: str, dtype: str = "float32") -> Any:
     """HF transformers model on the same weights (jspec's converted directory)."""
     import torch  # noqa: PLC0415
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
-
     path = converted_dir(REGISTRY[model_name]) if model_name in REGISTRY else model_name
     torch.set_num_threads(os.cpu_count() or 1)
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).eval()
 
 
 @functools.partial(jax.jit, static_argnames=("config", "sampling", "max_new", "capacity",
@@ -192,33 +195,37 @@ class Shard:
     tokens: np.ndarray
     offsets: np.ndarray
     prompt_lens: np.ndarray
-    feats: np.ndarray
+    feats: np.ndarray | None  # None in a token shard (`--tokens-only`; `train featurize`)
 
 
-def _pack(prompts: list[list[int]], pf: np.ndarray, toks: np.ndarray, n: np.ndarray,
-          rf: np.ndarray) -> Shard:
+def _pack(prompts: list[list[int]], pf: np.ndarray | None, toks: np.ndarray, n: np.ndarray,
+          rf: np.ndarray | None) -> Shard:
     all_t, all_f, offs, plens = [], [], [0], []
     for r, pr in enumerate(prompts):
         lp, nr = len(pr), int(n[r])
         t = np.concatenate([np.asarray(pr, np.int32), toks[r, :nr]])
-        f = np.concatenate([pf[r, :lp], rf[r, :nr]], axis=0)  # last slot: never fed (zeros)
+        if pf is not None:
+            all_f.append(np.concatenate([pf[r, :lp], rf[r, :nr]], axis=0))  # last: zeros
         all_t.append(t)
-        all_f.append(f)
         offs.append(offs[-1] + len(t))
         plens.append(lp)
     return Shard(tokens=np.concatenate(all_t), offsets=np.asarray(offs, np.int64),
-                 prompt_lens=np.asarray(plens, np.int32), feats=np.concatenate(all_f))
+                 prompt_lens=np.asarray(plens, np.int32),
+                 feats=np.concatenate(all_f) if pf is not None else None)
 
 
-def _save(path: Path, shard: Shard) -> None:
+def save_shard(path: Path, shard: Shard) -> None:
+    """Atomic write; a token shard (no features) is compressed: ~1.5 bytes a token."""
     tmp = path.with_suffix(".tmp.npz")
-    np.savez(tmp, **dataclasses.asdict(shard))
+    arrays = {k: v for k, v in dataclasses.asdict(shard).items() if v is not None}
+    (np.savez if shard.feats is not None else np.savez_compressed)(tmp, **arrays)
     os.replace(tmp, path)
 
 
 def load_shard(path: Path, mmap: bool = False) -> Shard:
     z = np.load(path, mmap_mode="r" if mmap else None)
-    return Shard(**{k: z[k] for k in ("tokens", "offsets", "prompt_lens", "feats")})
+    return Shard(**{k: z[k] for k in ("tokens", "offsets", "prompt_lens")},
+                 feats=z["feats"] if "feats" in z.files else None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -226,21 +233,27 @@ def run(args: argparse.Namespace) -> int:
 
     if args.samples < 1:
         raise SystemExit(f"error: --samples must be >= 1, got {args.samples}")
+    if args.dtype != "float32" and not args.tokens_only:
+        raise SystemExit("error: --dtype bfloat16 needs --tokens-only (features are recorded in "
+                         "float32; `train featurize` computes them from token shards)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = load_model(args.model)
     layers = tuple(args.feature_layers) if args.feature_layers else FEATURE_LAYERS
-    if max(layers) > model.config.num_layers:
+    if not args.tokens_only and max(layers) > model.config.num_layers:
         raise SystemExit(f"error: feature layer {max(layers)} > the model's "
                          f"{model.config.num_layers} layers")
-    meta = {"model": args.model, "feature_layers": list(layers),
+    meta = {"model": args.model, "feature_layers": None if args.tokens_only else list(layers),
             "max_new": args.max_new, "seed": args.seed, "splits": SPLITS,
-            "hidden_size": model.config.hidden_size}
+            "hidden_size": model.config.hidden_size, "tokens_only": args.tokens_only,
+            "dtype": args.dtype}
     meta_path = out / "meta.json"
+    same = ("model", "feature_layers", "max_new", "tokens_only", "dtype")
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
-        if {k: old.get(k) for k in ("model", "feature_layers", "max_new")} != {
-                k: meta[k] for k in ("model", "feature_layers", "max_new")}:
+        old.setdefault("tokens_only", False)
+        old.setdefault("dtype", "float32")
+        if {k: old.get(k) for k in same} != {k: meta[k] for k in same}:
             meta_path = None
     if meta_path is None:
         raise SystemExit(f"error: {out} holds data made with other settings; use another --out")
@@ -284,20 +297,23 @@ def run(args: argparse.Namespace) -> int:
         mode = "greedy" if variant == "greedy" else "sample"
         pf, toks, n, rf = decode(prompts, mode, key, args.max_new)
         shard = _pack(prompts, pf, toks, n[: len(prompts)], rf)
-        _save(out / f"{name}-{variant}-{idx:04d}.npz", shard)
+        save_shard(out / f"{name}-{variant}-{idx:04d}.npz", shard)
         n_tok += int(n[: len(prompts)].sum())
         rate = n_tok / (time.perf_counter() - t0)
-        bar.set_postfix(resp_tok_s=f"{rate:.0f}")
+        bar.set_postfix(resp_tok_s=f"{rate:.0f}", resp_tok=n_tok)
     print(f"datagen: done, {n_tok} response tokens this run", flush=True)
     return 0
 
 
 def _decoder(args: argparse.Namespace, model: Any, layers: tuple[int, ...],
              probe: list[list[int]]) -> Any:
-    """`(prompts, mode, key, max_new) -> (prompt_feats, toks, n, resp_feats)` numpy, on the
-    backend asked for; "auto" times both on `probe` (the first batch to do, 32 greedy tokens,
-    jax's compile excluded) and takes the faster when torch is installed."""
+    """`(prompts, mode, key, max_new) -> (prompt_feats, toks, n, resp_feats)` numpy (the
+    features None with `--tokens-only`), on the backend asked for; "auto" times both on `probe`
+    (the first batch to do, 32 greedy tokens, jax's compile excluded) and takes the faster when
+    torch is installed."""
     b = args.batch
+    feats = not args.tokens_only
+    target = model if args.dtype == "float32" else load_model(args.model, dtype=args.dtype)
 
     def jax_decode(prompts, mode, key, max_new):
         width = bucket_length(max(len(p) for p in prompts))
@@ -306,6 +322,10 @@ def _decoder(args: argparse.Namespace, model: Any, layers: tuple[int, ...],
         for r, pr in enumerate(prompts):
             ids[r, : len(pr)] = pr
             lens[r] = len(pr)
+        if not feats:  # plain batched decoding: jspec's fast path
+            res = jspec.generate(target, jnp.asarray(ids), jnp.asarray(lens),
+                                 max_new_tokens=max_new, sampling=MODES[mode], key=key)
+            return None, np.asarray(res.tokens), np.asarray(res.lengths), None
         cap = -(-(width + max_new + 1) // 128) * 128
         res = generate_with_features(
             model.weights, jnp.asarray(ids), jnp.asarray(lens), key, config=model.config,
@@ -321,12 +341,12 @@ def _decoder(args: argparse.Namespace, model: Any, layers: tuple[int, ...],
     if backend == "auto" and not importlib.util.find_spec("torch"):
         print("datagen: backend jax (torch is not installed)", flush=True)
         return jax_decode
-    hf = load_hf_target(args.model)
+    hf = load_hf_target(args.model, args.dtype)
 
     def torch_decode(prompts, mode, key, max_new):
         seed = int(jax.random.randint(key, (), 0, 2**31 - 1))
         return _torch_generate(hf, prompts, MODES[mode], max_new, model.eos_ids[0], seed,
-                               layers)
+                               layers, with_feats=feats)
 
     if backend == "torch":
         return torch_decode
@@ -372,4 +392,11 @@ def add_parser(sub: Any) -> None:
                    help="who decodes: jax (jspec), torch (HF transformers on the same weights), "
                    "or auto (default: time both on the first batch and use the faster; jax when "
                    "torch is not installed)")
+    p.add_argument("--tokens-only", action="store_true",
+                   help="store token shards only (compressed, ~1.5 bytes a token: small enough "
+                   "to commit, e.g. under train/corpus/); `python -m train featurize` turns them "
+                   "into the feature shards training reads")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="target dtype while decoding (bfloat16 only with --tokens-only; default "
+                   "float32)")
     p.set_defaults(func=run)
