@@ -105,6 +105,36 @@ def test_token_shards_featurized_match_the_recorded_features(tiny_data):
     assert r.returncode != 0 and "--tokens-only" in r.stderr
 
 
+def test_torch_backend_matches_the_jax_backend(tiny_data):
+    """HF transformers on the same weights (the torch backend, with and without features) gives
+    the jax backend's greedy tokens and, to float16 rounding, its features. Skipped without
+    torch (not in the test extra)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    tmp, _ = tiny_data
+    base = ["datagen", "--model", str(tmp / "target"), "--prompts-file", str(tmp / "tiny.jsonl"),
+            "--backend", "torch", "--max-new", "24", "--batch", "4", "--modes", "greedy"]
+    # HF's hidden_states[L] is after the final norm: the last layer's own output is refused.
+    r = _run([*base, "--out", str(tmp / "torch-bad"), "--feature-layers", "0", "1", "2"])
+    assert r.returncode != 0 and "final norm" in r.stderr, r.stderr[-2000:]
+    r = _run([*base, "--out", str(tmp / "torch"), "--feature-layers", "0", "1"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = _run([*base, "--out", str(tmp / "torch-tok"), "--tokens-only"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    files = sorted((tmp / "data").glob("tiny-greedy-*.npz"))
+    assert len(files) == 3
+    for f in files:
+        want, got, tok = (load_shard(d / f.name) for d in (tmp / "data", tmp / "torch",
+                                                             tmp / "torch-tok"))
+        for k in ("tokens", "offsets", "prompt_lens"):
+            np.testing.assert_array_equal(getattr(got, k), getattr(want, k))
+            np.testing.assert_array_equal(getattr(tok, k), getattr(want, k))
+        assert tok.feats is None
+        np.testing.assert_allclose(got.feats.astype(np.float32),  # layers 0, 1 and final
+                                   want.feats[:, [0, 1, 3]].astype(np.float32), atol=2e-2,
+                                   rtol=2e-2)
+
+
 TRAIN = ["--steps", "{steps}", "--ckpt-every", "2", "--eval-every", "4", "--draft-vocab", "64",
          "--batch-tokens", "128", "--seq-buckets", "64", "--ffn", "32", "--lr", "3e-3",
          "--warmup", "2"]

@@ -22,10 +22,11 @@ killed run resumes where it stopped):
                               target (all but each row's last token, whose slot is zero)
 
 Backends: `jax` decodes with jspec itself; `torch` runs HF transformers on the same weights
-(converted once from the GGUF); its features agree with jspec's forward to ~1e-4 relative
-(checked in tests/test_train.py). `auto` (the default) times both on the first batch to do and
-keeps the faster (the measurement is printed): HF was ~3.5x faster batched before jspec's
-batched decode step was fixed (issue 18), so this is measured, not assumed.
+(converted once from the GGUF); its tokens and features agree with the jax backend's
+(tests/test_train.py, when torch is installed; layer L, HF's final-normed state, is refused).
+`auto` (the default) times both on the first batch to do and keeps the faster (the
+measurement is printed): HF was ~3.5x faster batched before jspec's batched decode step was
+fixed (issue 18), so this is measured, not assumed.
 """
 
 from __future__ import annotations
@@ -334,6 +335,11 @@ def _decoder(args: argparse.Namespace, model: Any, layers: tuple[int, ...],
         return tuple(np.asarray(x) for x in res)
 
     backend = args.backend
+    if feats and max(layers) >= model.config.num_layers:  # HF: hidden_states[L] is normed
+        if backend == "torch":
+            raise SystemExit(f"error: the torch backend cannot record layer {max(layers)} (HF's "
+                             "last hidden state is after the final norm); use --backend jax")
+        backend = "jax"
     if backend == "jax":
         return jax_decode
     import importlib.util  # noqa: PLC0415
