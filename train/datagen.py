@@ -9,6 +9,10 @@ drafter sees at inference time.
 Why cached, not on-the-fly: both drafters train for several epochs over the same sequences, and a
 target forward costs ~10x a drafter step on this CPU; the cache is bounded by the data size
 (float16, 6 vectors of 576 per token: ~7 KB/token, ~2 GB for 300k tokens) and written once.
+At scale (millions of tokens) the features are too big to keep with the code, so
+`--tokens-only` writes token shards alone (compressed, no `feats`; any `--dtype`), which are
+committed under train/corpus/, and `python -m train featurize` (train/featurize.py) computes
+the features from them with one batched forward per shard.
 
 Shard layout (`<out>/<set>-<mode>-<index>.npz`, written atomically, skipped when present, so a
 killed run resumes where it stopped):
