@@ -100,6 +100,9 @@ def test_token_shards_featurized_match_the_recorded_features(tiny_data):
     r = _run(["featurize", "--tokens", str(tmp / "tok"), "--out", str(tmp / "feat"),
               "--feature-layers", "0", "1", "2"])
     assert r.returncode == 0 and "3 already done" in r.stdout, r.stdout + r.stderr[-2000:]
+    # Training on the token shards themselves is refused with the way out.
+    r = _run(["eagle3", "--data", str(tmp / "tok"), "--out", str(tmp / "never"), "--steps", "1"])
+    assert r.returncode != 0 and "train featurize" in r.stderr, r.stderr[-2000:]
     r = _run(["datagen", "--model", str(tmp / "target"), "--out", str(tmp / "bad"),
               "--prompts-file", str(prompts), "--dtype", "bfloat16"])
     assert r.returncode != 0 and "--tokens-only" in r.stderr

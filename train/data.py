@@ -21,7 +21,12 @@ def data_layers(data: str) -> tuple[int, ...]:
     meta = Path(data) / "meta.json"
     if not meta.is_file():
         raise SystemExit(f"error: {meta} not found (run `python -m train datagen` first)")
-    return tuple(json.loads(meta.read_text())["feature_layers"])
+    m = json.loads(meta.read_text())
+    if m.get("tokens_only") or m.get("feature_layers") is None:
+        raise SystemExit(f"error: {data} holds token shards without features (datagen "
+                         f"--tokens-only); run `python -m train featurize --tokens {data} --out "
+                         "DIR` and train on DIR")
+    return tuple(m["feature_layers"])
 
 
 def eagle_layers(layers: tuple[int, ...]) -> tuple[int, ...]:
@@ -43,7 +48,8 @@ class Rows:
 
 
 def load_rows(data: str, heldout: bool, sets: list[str] | None = None) -> Rows:
-    files = sorted(glob.glob(str(Path(data) / "*.npz")))
+    files = sorted(f for f in glob.glob(str(Path(data) / "*.npz"))
+                   if not f.endswith(".tmp.npz"))  # a write cut short by a kill
     files = [f for f in files if Path(f).name.startswith("heldout_") == heldout]
     if sets:
         files = [f for f in files if Path(f).name.split("-")[0].removeprefix("heldout_") in sets]
