@@ -220,7 +220,7 @@ def _pack(prompts: list[list[int]], pf: np.ndarray | None, toks: np.ndarray, n: 
 
 
 def save_shard(path: Path, shard: Shard) -> None:
-    """Atomic write; a token shard (no features) is compressed: ~1.5 bytes a token."""
+    """Atomic write; a token shard (no features) is compressed: under a byte a token."""
     tmp = path.with_suffix(".tmp.npz")
     arrays = {k: v for k, v in dataclasses.asdict(shard).items() if v is not None}
     (np.savez if shard.feats is not None else np.savez_compressed)(tmp, **arrays)
@@ -403,7 +403,7 @@ def add_parser(sub: Any) -> None:
                    "or auto (default: time both on the first batch and use the faster; jax when "
                    "torch is not installed)")
     p.add_argument("--tokens-only", action="store_true",
-                   help="store token shards only (compressed, ~1.5 bytes a token: small enough "
+                   help="store token shards only (compressed, under a byte a token: small enough "
                    "to commit, e.g. under train/corpus/); `python -m train featurize` turns them "
                    "into the feature shards training reads")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",

@@ -1,7 +1,7 @@
 """`python -m train featurize`: the feature shards training reads, from token shards.
 
 Decoding is what makes data generation slow (one target forward per generated token); the
-features of a finished sequence are one batched forward over it, many times cheaper per token
+features of a finished sequence are one batched forward over it, 3-6x cheaper per token
 here. So `datagen --tokens-only` writes compact token shards (small enough to commit: a session's
 generated data survives it) and this command adds the features: the layout of `train.datagen`
 (feats f16[T_total, F, D], the RMS-normalised FEATURE_LAYERS then the final-normed state, the
