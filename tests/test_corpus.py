@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from train.datagen import load_shard
 from train.magpie import Dedup, HeldOut, degenerate, heldout_texts
@@ -27,8 +26,7 @@ def _shards() -> list[Path]:
 
 def test_committed_magpie_prompts_pass_their_filters():
     path = CORPUS / "magpie.jsonl"
-    if not path.exists():
-        pytest.skip("no committed Magpie prompts")
+    assert path.exists(), "train/corpus/magpie.jsonl is committed; it must not go missing"
     texts = [json.loads(x)["text"] for x in path.read_text().splitlines() if x.strip()]
     held, dedup = HeldOut(heldout_texts()), Dedup()
     assert texts
@@ -39,8 +37,7 @@ def test_committed_magpie_prompts_pass_their_filters():
 
 def test_committed_token_shards_are_well_formed():
     files = _shards()
-    if not files:
-        pytest.skip("no committed token shards")
+    assert files, "train/corpus/tokens/ is committed; its shards must not go missing"
     meta = json.loads((CORPUS / "tokens" / "meta.json").read_text())
     assert meta["tokens_only"] and meta["model"] == "smollm2-135m"
     held_prompts, train_prompts = set(), set()
