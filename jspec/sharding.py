@@ -8,8 +8,9 @@ mesh axis: target weights, drafter weights, KV caches, the decode state, trainin
 
 Mesh axes: `data` (batch rows) and `model` (heads, KV heads, MLP width, vocabulary: Megatron-style
 tensor parallelism; the residual stream `embed` stays replicated). Parameters get their logical
-axes from `PARAM_AXES` by leaf name; per-row state from `STATE_AXES` by leaf name, else
-`("batch", None, ...)` when the leading dimension is the batch; anything else is replicated.
+axes from the dataclass fields that hold them (`logical`: `LayerWeights`, `Weights`, the trained
+drafters' parameters); per-row state likewise (KV caches, drafter caches), else `("batch", None,
+...)` when the leading dimension is the batch; anything else is replicated.
 Kernels (Pallas calls) run per device through `shard_kernel` / `shard_map`, specs from `RULES`.
 
 Axis types: jspec builds and uses meshes with `AxisType.Auto` (GSPMD/Shardy propagation), not the
@@ -42,8 +43,8 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from jspec.errors import JspecError
 from jspec.memory import per_device_bytes
 
-__all__ = ["DATA", "MODEL", "PARAM_AXES", "RULES", "STATE_AXES", "Axes", "auto_mesh", "constrain",
-           "head_dim_of", "logical_spec", "make_mesh", "named", "param_specs", "params_sharding",
+__all__ = ["DATA", "MODEL", "RULES", "Axes", "auto_mesh", "constrain", "declared_axes",
+           "head_dim_of", "logical", "logical_spec", "make_mesh", "named", "param_specs", "params_sharding",
            "parse_mesh", "per_device_bytes", "place", "place_rows", "process_rows", "replicated",
            "resolve_mesh", "shard_drafter", "shard_kernel", "shard_map", "shard_model",
            "state_sharding", "state_specs", "to_host", "using"]
@@ -65,33 +66,15 @@ RULES: tuple[tuple[str, str | None], ...] = (
     ("head_dim", None),
 )
 
-# Parameters (target weights, draft-model weights, trained-drafter params, optimizer moments),
-# by leaf name. Matrices are (in, out). Names not listed are replicated (norms, small vectors).
-PARAM_AXES: dict[str, Axes] = {
-    "embed": ("vocab", "embed"),  # [V, D]
-    "lm_head": ("embed", "vocab"),  # [D, V]
-    "head": ("vocab", "embed"),  # [Vd, D] a trained drafter's draft-vocabulary head
-    "wq": ("embed", "heads"),  # [D, H*hd]
-    "wk": ("embed", "kv_heads"),  # [D, KV*hd]
-    "wv": ("embed", "kv_heads"),
-    "wo": ("heads", "embed"),  # [H*hd, D]
-    "bq": ("heads",),
-    "bk": ("kv_heads",),
-    "bv": ("kv_heads",),
-    "w_gate": ("embed", "mlp"),  # [D, F]
-    "w_up": ("embed", "mlp"),
-    "w_down": ("mlp", "embed"),  # [F, D]
-}
-_FLATTENED_HEADS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv")  # dims of size heads * head_dim
 
-# Decode state and training batches, by leaf name. Other arrays whose leading dimension is the
-# batch are ("batch", None, ...); everything else (PRNG key, scalars) is replicated.
-STATE_AXES: dict[str, Axes] = {
-    "k": ("batch", "kv_heads", "seq", "head_dim"),  # KVCache buffers [B, KV, S, hd]
-    "v": ("batch", "kv_heads", "seq", "head_dim"),
-    "ck": ("batch", "seq", "kv_heads", "head_dim"),  # trained drafters' own K/V [B, C, KV, hd]
-    "cv": ("batch", "seq", "kv_heads", "head_dim"),
-}
+
+def logical(*axes: str | None, default: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field holding an array with these logical axes (one name or None per
+    dimension): how parameters and state declare their layout. `param_specs` / `state_specs`
+    read it from the field that holds a leaf (the innermost such field on its pytree path, so
+    a tuple of layers or an optimizer's moments of a parameter inherit it); nothing is
+    inferred from a name."""
+    return dataclasses.field(default=default, metadata={"axes": tuple(axes)})
 
 
 # ----------------------------------------------------------------------------- meshes
@@ -223,47 +206,61 @@ def logical_spec(axes: Axes, shape: tuple[int, ...], mesh: Mesh | AbstractMesh,
     return PartitionSpec(*out)
 
 
-def _leaf_name(path: tuple[Any, ...]) -> str:
-    """The innermost field / dict-key name on a pytree path ("l0.wq" -> "wq")."""
-    for entry in reversed(path):
+def declared_axes(root: Any, path: tuple[Any, ...]) -> Axes | None:
+    """The logical axes declared (`logical`) by the innermost dataclass field on `path` from
+    `root`, None when no field on the path declares any."""
+    obj, found = root, None
+    for entry in path:
         if isinstance(entry, jax.tree_util.GetAttrKey):
-            return entry.name
-        if isinstance(entry, jax.tree_util.DictKey) and isinstance(entry.key, str):
-            return entry.key.rsplit(".", 1)[-1]
-    return ""
+            if dataclasses.is_dataclass(obj):
+                f = _fields(type(obj)).get(entry.name)
+                if f is not None and "axes" in f.metadata:
+                    found = f.metadata["axes"]
+            obj = getattr(obj, entry.name)
+        elif isinstance(entry, jax.tree_util.SequenceKey):
+            obj = obj[entry.idx]
+        elif isinstance(entry, jax.tree_util.DictKey):
+            obj = obj[entry.key]
+        else:  # a node flattened without names: nothing below it can be resolved
+            return found
+    return found
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
 
 
 def param_specs(tree: Any, mesh: Mesh | AbstractMesh, *, head_dim: int | None = None,
                 rules: tuple[tuple[str, str | None], ...] = RULES) -> Any:
-    """PartitionSpecs (same pytree structure) of parameters: `PARAM_AXES` by leaf name.
+    """PartitionSpecs (same pytree structure) of parameters, from their fields' declared axes.
 
     Args:
       tree: weights, drafter params or optimizer state (arrays or ShapeDtypeStructs).
       mesh: Mesh or AbstractMesh.
-      head_dim: the head size of the flattened head dimensions (so no head is split); None
-        checks the dimension only.
+      head_dim: the head size of flattened head dimensions (`heads`, `kv_heads` in a
+        parameter are H*hd wide), so that no head is split; None checks the dimension only.
     Returns:
-      a pytree of PartitionSpec.
+      a pytree of PartitionSpec (replicated where no axes are declared).
     """
     units = {"heads": head_dim, "kv_heads": head_dim} if head_dim else None
 
     def spec(path, a):
-        name = _leaf_name(path)
-        axes = PARAM_AXES.get(name)
+        axes = declared_axes(tree, path)
         if axes is None or len(axes) != a.ndim:
             return PartitionSpec()
-        return logical_spec(axes, a.shape, mesh, rules, units if name in _FLATTENED_HEADS else None)
+        return logical_spec(axes, a.shape, mesh, rules, units)
 
     return jax.tree_util.tree_map_with_path(spec, tree)
 
 
 def state_specs(tree: Any, mesh: Mesh | AbstractMesh, *, batch: int,
                 rules: tuple[tuple[str, str | None], ...] = RULES) -> Any:
-    """PartitionSpecs of per-row state (decode state, caches, batches): `STATE_AXES` by leaf
-    name, else ("batch", None, ...) for arrays whose leading dimension is `batch`, else replicated.
+    """PartitionSpecs of per-row state (decode state, caches, batches): the fields' declared
+    axes, else ("batch", None, ...) for arrays whose leading dimension is `batch`, else
+    replicated.
     """
     def spec(path, a):
-        axes = STATE_AXES.get(_leaf_name(path))
+        axes = declared_axes(tree, path)
         if axes is None or len(axes) != a.ndim:
             if a.ndim >= 1 and a.shape[0] == batch:
                 axes = ("batch",) + (None,) * (a.ndim - 1)

@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.models.blocks import rms_normalize
 from jspec.models.cache import KVCache
 from jspec.models.config import ModelConfig
-from jspec.models.llama import Weights, forward, lm_logits, rms_normalize
+from jspec.models.llama import Weights, forward, lm_logits
 from jspec.sampling import Sampling, sample
 
 INVALID = -1  # the padding value of output token buffers

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jspec
+from jspec.models.blocks import rms_norm
 from jspec.models.cache import KVCache
-from jspec.models.llama import forward, lm_logits, rms_norm
+from jspec.models.llama import forward, lm_logits
 from jspec.prompts import humaneval
 
 model = jspec.load_model("smollm2-135m")

@@ -60,7 +60,7 @@ import jspec  # noqa: E402
 from jspec.bench import BENCH_PROMPT, decode_tps  # noqa: E402
 from jspec.cost import cost_curve  # noqa: E402
 from jspec.drafters import d2sd, dflash, eagle3  # noqa: E402
-from jspec.drafters.trained import DrafterConfig  # noqa: E402
+from jspec.drafters.trained import DrafterConfig, from_flat, to_flat  # noqa: E402
 from jspec.models import KVCache, Model, ModelConfig, Tree, forward, init_weights  # noqa: E402
 from jspec.prompts import load_prompt_set  # noqa: E402
 from jspec.state import bucket_length  # noqa: E402
@@ -150,21 +150,22 @@ def tiny_drafters(target: Model) -> dict[str, Any]:
 
     rng = np.random.default_rng(3)
 
-    def params(mod: Any, kind: str) -> dict[str, jax.Array]:
+    def params(mod: Any, kind: str) -> Any:
         # The parameter shapes from `init_params` without running it (jax.random compiles per
         # shape: seconds on a small CPU), filled by numpy: norms and feature std one, feature
         # mean and verification head zero, matrices N(0, 1/fan_in), vectors N(0, 0.02²).
         shapes = jax.eval_shape(functools.partial(mod.init_params, cfg(kind)), jax.random.key(0))
         out = {}
-        for name, a in shapes.items():
-            if "norm" in name or name == "feat_std":
+        for name, a in to_flat(shapes).items():
+            leaf = name.rsplit(".", 1)[-1]
+            if "norm" in leaf or leaf == "feat_std":
                 x = np.ones(a.shape)
-            elif name == "feat_mean" or name.startswith("vh_"):
+            elif leaf == "feat_mean" or leaf.startswith("vh_"):
                 x = np.zeros(a.shape)
             else:
                 x = rng.standard_normal(a.shape) * (a.shape[0] ** -0.5 if a.ndim == 2 else 0.02)
             out[name] = jnp.asarray(x, a.dtype)
-        return out
+        return from_flat(kind, out)
 
     vocab = np.sort(np.random.default_rng(0).permutation(c.vocab_size)[:64])
     e3 = eagle3.make(cfg("eagle3"), params(eagle3, "eagle3"), vocab, target.weights,

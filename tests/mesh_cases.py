@@ -24,7 +24,8 @@ from scipy import stats as sps
 import jspec
 from jspec import sharding
 from jspec.drafters import DraftModel, NGram, dflash, eagle3
-from jspec.drafters.trained import DrafterConfig, attention
+from jspec.drafters.trained import DrafterConfig, Frozen, split_frozen, to_flat
+from jspec.models.blocks import attention
 from jspec.models.cache import KVCache
 from jspec.models.llama import forward
 from jspec.sampling import probs
@@ -247,15 +248,15 @@ def test_shard_map_with_specs_from_the_rules_table():
     rng = np.random.default_rng(0)
     b, t, s, kv, g, hd = 4, 3, 16, 8, 2, 8
     q = jnp.asarray(rng.standard_normal((b, t, kv * g, hd)), jnp.float32)
-    k = jnp.asarray(rng.standard_normal((b, s, kv, hd)), jnp.float32)
-    v = jnp.asarray(rng.standard_normal((b, s, kv, hd)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, kv, s, hd)), jnp.float32)  # head-major
+    v = jnp.asarray(rng.standard_normal((b, kv, s, hd)), jnp.float32)
     mask = jnp.asarray(rng.random((b, t, s)) < 0.7)
 
     def per_device(q, k, v, mask):  # grouped heads stay with their KV head
         out = attention(q, k, v, mask)
         return out.reshape(q.shape)
 
-    kv_axes = ("batch", "seq", "kv_heads", "head_dim")
+    kv_axes = ("batch", "kv_heads", "seq", "head_dim")
     f = sharding.shard_map(per_device, mesh,
                            in_axes=(("batch", None, "heads", None), kv_axes, kv_axes,
                                     ("batch", None, None)),
@@ -275,7 +276,7 @@ def test_shard_map_with_specs_from_the_rules_table():
     assert got.sharding.shard_shape(got.shape) == (2, t, kv * g // 4, hd)
     # 2 KV heads do not divide model=4: the model axis is dropped for the whole call (query
     # heads are not split away from their KV head); batch still goes over data.
-    k2, v2, q2 = k[:, :, :2], v[:, :, :2], q[:, :, :4]
+    k2, v2, q2 = k[:, :2], v[:, :2], q[:, :, :4]
     with jax.set_mesh(mesh):
         got = jax.jit(kernel)(q2, k2, v2, mask)
     np.testing.assert_allclose(np.asarray(got), np.asarray(per_device(q2, k2, v2, mask)),
@@ -352,16 +353,15 @@ def _train_inputs(kind: str):
     model = tiny_model("mesh_gqa", seed=1)
     cfg = dataclasses.replace(_drafter_cfg(kind, model), num_layers=1)
     mod = {"eagle3": eagle3, "dflash": dflash}[kind]
-    params = mod.init_params(cfg, jax.random.key(0))
-    stats = {k: params.pop(k) for k in ("feat_mean", "feat_std")}
+    params, stats = split_frozen(mod.init_params(cfg, jax.random.key(0)))
     rng = np.random.default_rng(0)
     b, s, f, d = 8, 32, len(cfg.feature_layers), model.config.hidden_size
     vocab = np.sort(rng.permutation(model.config.vocab_size)[:cfg.draft_vocab]).astype(np.int32)
     to_draft = np.full((model.config.vocab_size,), -1, np.int32)
     to_draft[vocab] = np.arange(len(vocab), dtype=np.int32)
     embed = model.weights.embed.astype(jnp.float32)
-    frozen = {"embed": embed, "head": jnp.take(embed, jnp.asarray(vocab), axis=0),
-              "to_draft": jnp.asarray(to_draft), "stats": stats}
+    frozen = Frozen(embed=embed, head=jnp.take(embed, jnp.asarray(vocab), axis=0),
+                    to_draft=jnp.asarray(to_draft), stats=stats)
     lens = rng.integers(20, s + 1, b).astype(np.int32)
     plens = rng.integers(2, 8, b).astype(np.int32)
     batch = {"tokens": rng.integers(0, model.config.vocab_size, (b, s)).astype(np.int32),
@@ -394,11 +394,12 @@ def test_train_step_on_meshes_equals_single_device(kind, meshes):
         mesh = _mesh(shape)
         placed = tr.shard_for_training(mesh, cfg, copy(params), tx.init(params), frozen, batch)
         p2, s2, m2 = tr.train_step(*placed, **statics, mesh=mesh)
-        wq = p2["wq"] if kind == "eagle3" else p2["l0.wq"]
+        wq = p2.layer.wq if kind == "eagle3" else p2.layers[0].wq
         assert wq.sharding.shard_shape(wq.shape)[1] == wq.shape[1] // shape[1]
         np.testing.assert_allclose(float(m2["loss"]), float(m1["loss"]), rtol=1e-5)
-        for name in p1:
-            np.testing.assert_allclose(np.asarray(p2[name]), np.asarray(p1[name]), atol=1e-5,
+        f1, f2 = to_flat(p1), to_flat(p2)
+        for name in f1:
+            np.testing.assert_allclose(np.asarray(f2[name]), np.asarray(f1[name]), atol=1e-5,
                                        err_msg=f"{name} on {shape}")
         for x, y in zip(jax.tree.leaves(s2), jax.tree.leaves(s1), strict=True):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5, rtol=1e-4)

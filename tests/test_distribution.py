@@ -61,7 +61,7 @@ def tiny_eagle3() -> tuple[jspec.Model, eagle3.Eagle3]:
     model = flat_model()
     cfg = tiny_cfg("eagle3", model)
     params = eagle3.init_params(cfg, jax.random.key(3))
-    params["final_norm"] = params["final_norm"] * 0.3
+    params = dataclasses.replace(params, final_norm=params.final_norm * 0.3)
     vocab = np.sort(np.random.default_rng(0).permutation(model.config.vocab_size)[:64])
     return model, eagle3.make(cfg, params, vocab, model.weights)
 

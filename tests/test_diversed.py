@@ -222,7 +222,7 @@ def test_head_save_load_and_mismatch(tmp_path):
                        verifier=Diversed(head=head), sampling=Sampling(temperature=1.0))
     with pytest.raises(JspecError, match="not a DIVERSED head"):
         from jspec.drafters.trained import save_drafter
-        save_drafter(tmp_path / "d.safetensors", drafter.cfg, dict(drafter.params),
+        save_drafter(tmp_path / "d.safetensors", drafter.cfg, drafter.params,
                      np.asarray(drafter.vocab_ids))
         DiversedHead.load(tmp_path / "d.safetensors")
 

@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 
 import jspec
 from jspec.drafters import dflash, eagle3, interop
-from jspec.drafters.trained import DrafterConfig, save_drafter
+from jspec.drafters.trained import DrafterConfig, save_drafter, to_flat
 from jspec.models.loading import weights_to_hf, write_hf_dir
 from jspec.rounds import init_state
 
@@ -46,9 +46,10 @@ def jspec_drafter(kind: str, seed: int = 3):
     p = mod.init_params(cfg, jax.random.key(seed))
     rng = np.random.default_rng(seed)
     for name in ("feat_mean", "feat_std", "vh_w", "vh_b"):
-        p[name] = jnp.asarray((1.0 if name == "feat_std" else 0.0)
-                              + 0.3 * rng.standard_normal(p[name].shape), jnp.float32)
-    p["feat_std"] = jnp.abs(p["feat_std"]) + 0.5
+        p = dataclasses.replace(p, **{name: jnp.asarray(
+            (1.0 if name == "feat_std" else 0.0)
+            + 0.3 * rng.standard_normal(getattr(p, name).shape), jnp.float32)})
+    p = dataclasses.replace(p, feat_std=jnp.abs(p.feat_std) + 0.5)
     vocab = rng.permutation(model.config.vocab_size)[:64]  # unsorted: d2t offsets any order
     return model, mod.make(cfg, p, vocab, model.weights)
 
@@ -68,9 +69,10 @@ def _same_generation(model, a, b, k, temperature):
 
 def _assert_same_drafter(a, b):
     assert a.cfg == b.cfg
-    assert set(a.params) == set(b.params)
-    for name in a.params:
-        np.testing.assert_array_equal(np.asarray(a.params[name]), np.asarray(b.params[name]),
+    pa, pb = to_flat(a.params), to_flat(b.params)
+    assert set(pa) == set(pb)
+    for name in pa:
+        np.testing.assert_array_equal(np.asarray(pa[name]), np.asarray(pb[name]),
                                       err_msg=name)
     np.testing.assert_array_equal(np.asarray(a.vocab_ids), np.asarray(b.vocab_ids))
     np.testing.assert_array_equal(np.asarray(a.head), np.asarray(b.head))
@@ -91,8 +93,8 @@ def test_export_then_import_gives_bit_identical_drafts(tmp_path, kind):
 
 def test_export_bfloat16_is_exact_for_bfloat16_values(tmp_path):
     model, native = jspec_drafter("eagle3")
-    bf = {k: jnp.asarray(jnp.asarray(v, jnp.bfloat16), jnp.float32)
-          for k, v in native.params.items()}
+    bf = jax.tree.map(lambda v: jnp.asarray(jnp.asarray(v, jnp.bfloat16), jnp.float32),
+                      native.params)
     native = dataclasses.replace(native, params=bf,
                                  head=jnp.asarray(jnp.asarray(native.head, jnp.bfloat16),
                                                   jnp.float32))
@@ -233,14 +235,14 @@ def test_eagle3_layout_reads_every_tensor_where_it_belongs(tmp_path):
     assert c.feature_layers == (1, 2, 2)  # eagle_config ids are layer outputs: +1
     np.testing.assert_array_equal(np.asarray(d.vocab_ids), used)  # target = draft + d2t
     np.testing.assert_array_equal(np.asarray(d.head), t["lm_head.weight"])
-    np.testing.assert_array_equal(np.asarray(d.params["fc"]), t["fc.weight"].T)
-    np.testing.assert_array_equal(np.asarray(d.params["wq"]),
+    np.testing.assert_array_equal(np.asarray(to_flat(d.params)["fc"]), t["fc.weight"].T)
+    np.testing.assert_array_equal(np.asarray(to_flat(d.params)["wq"]),
                                   t["midlayer.self_attn.q_proj.weight"].T)
-    np.testing.assert_array_equal(np.asarray(d.params["norm_emb"]),
+    np.testing.assert_array_equal(np.asarray(to_flat(d.params)["norm_emb"]),
                                   t["midlayer.input_layernorm.weight"])
-    np.testing.assert_array_equal(np.asarray(d.params["norm_feat"]),
+    np.testing.assert_array_equal(np.asarray(to_flat(d.params)["norm_feat"]),
                                   t["midlayer.hidden_norm.weight"])
-    np.testing.assert_array_equal(np.asarray(d.params["final_norm"]), t["norm.weight"])
+    np.testing.assert_array_equal(np.asarray(to_flat(d.params)["final_norm"]), t["norm.weight"])
     np.testing.assert_array_equal(np.asarray(d.embed), np.asarray(model.weights.embed))
     ids, lens = pad_prompts(PROMPTS)  # lossless whatever the drafts
     ar = jspec.generate(model, ids, lens, max_new_tokens=16)
@@ -284,10 +286,10 @@ def test_dflash_layout_reads_every_tensor_where_it_belongs(tmp_path):
     assert c.feature_layers == (1, 2)  # target_layer_ids are layer outputs: +1
     assert c.draft_vocab == 97  # the target's full head
     np.testing.assert_array_equal(np.asarray(d.vocab_ids), np.arange(97))
-    np.testing.assert_array_equal(np.asarray(d.params["l1.q_norm"]),
+    np.testing.assert_array_equal(np.asarray(to_flat(d.params)["l1.q_norm"]),
                                   t["layers.1.self_attn.q_norm.weight"])
-    np.testing.assert_array_equal(np.asarray(d.params["fc_norm"]), t["hidden_norm.weight"])
-    np.testing.assert_array_equal(np.asarray(d.params["l0.w_down"]),
+    np.testing.assert_array_equal(np.asarray(to_flat(d.params)["fc_norm"]), t["hidden_norm.weight"])
+    np.testing.assert_array_equal(np.asarray(to_flat(d.params)["l0.w_down"]),
                                   t["layers.0.mlp.down_proj.weight"].T)
     ids, lens = pad_prompts(PROMPTS)
     ar = jspec.generate(model, ids, lens, max_new_tokens=16)

@@ -13,7 +13,8 @@ from conftest import TINY_VARIANTS, tiny_model
 
 import jspec
 from jspec.models import Chain, KVCache, ModelConfig, Tree, forward, init_weights
-from jspec.models.llama import Weights, rms_norm, tree_ancestors
+from jspec.models.blocks import rms_norm
+from jspec.models.llama import Weights, tree_ancestors
 from jspec.models.model import Model
 
 VARIANTS = sorted(TINY_VARIANTS)
@@ -379,7 +380,7 @@ def test_bfloat16_one_row_matmul_is_padded_on_cpu_and_unchanged():
     """XLA:CPU's one-row bfloat16 matmul is slow, so `matmul` computes it as two rows (the
     second zero) on CPU. The padded product equals the plain einsum, and a bfloat16 decode of
     one token at a time (the padded path) agrees with the multi-token forward."""
-    from jspec.models.llama import matmul
+    from jspec.models.blocks import matmul
 
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((1, 1, 64)), jnp.bfloat16)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 
@@ -59,7 +61,7 @@ def test_logical_axes_map_through_the_rules_table():
         sharding.logical_spec(("batch",), (8, 2), m)
 
 
-def test_param_and_state_specs_by_leaf_name():
+def test_param_and_state_specs_from_declared_axes():
     cfg = ModelConfig(vocab_size=128, hidden_size=32, num_layers=2, num_heads=8, num_kv_heads=4,
                       head_dim=8, ffn_size=64, tie_embeddings=False, qkv_bias=True)
     w = jax.eval_shape(lambda: init_weights(cfg, jax.random.key(0)))
@@ -72,11 +74,14 @@ def test_param_and_state_specs_by_leaf_name():
     # 4 KV heads on model=8: KV projections replicated, query heads (8) still sharded.
     s8 = sharding.param_specs(w, _amesh(1, 8), head_dim=8).layers[0]
     assert (s8.wq, s8.wk, s8.bk) == (P(None, "model"), P(), P())
-    # Optimizer moments follow their parameter (the dict key's last part names it).
-    moments = {"mu": {"l0.wq": jax.ShapeDtypeStruct((32, 64), jnp.float32)},
-               "count": jax.ShapeDtypeStruct((), jnp.int32)}
-    assert sharding.param_specs(moments, _amesh(2, 4), head_dim=8) == \
-        {"mu": {"l0.wq": P(None, "model")}, "count": P()}
+    # Optimizer moments follow their parameter (the field that holds them declares the axes).
+    moments = jax.eval_shape(lambda: optax.adam(1e-3).init(w))
+    ms = sharding.param_specs(moments, _amesh(2, 4), head_dim=8)[0]
+    assert (ms.mu.layers[0].wq, ms.nu.layers[1].w_down, ms.count) == (
+        P(None, "model"), P("model"), P())
+    # Nothing is inferred from a name: an undeclared array called `wq` is replicated.
+    assert sharding.param_specs({"wq": jax.ShapeDtypeStruct((32, 64), jnp.float32)},
+                                _amesh(2, 4), head_dim=8) == {"wq": P()}
     cache = jax.eval_shape(lambda: jspec.KVCache.create(cfg, 8, 64))
     cs = sharding.state_specs({"cache": cache, "seq": jnp.zeros((8, 5)), "key": jnp.zeros(()),
                                "other": jnp.zeros((3, 8))}, _amesh(2, 4), batch=8)
@@ -144,7 +149,7 @@ def test_llama3_8b_with_dflash_and_4k_cache_fits_16gib_per_device_on_1x8():
                                 capacity=capacity, eos_ids=(), k=k, verifier=Lossless()),
         weights, drafter)
     # The drafter's `embed` is the target's embedding (the same buffer): count it once.
-    own = {"params": drafter.params, "head": drafter.head, "vocab_ids": drafter.vocab_ids}
+    own = dataclasses.replace(drafter, embed=None)
     parts = {
         "target weights": (weights, sharding.param_specs(weights, mesh, head_dim=128)),
         "drafter": (own, sharding.param_specs(own, mesh, head_dim=128)),

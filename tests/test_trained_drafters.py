@@ -15,7 +15,14 @@ from conftest import tiny_model
 import jspec
 from jspec.drafters import dflash, eagle3
 from jspec.drafters.base import DraftContext
-from jspec.drafters.trained import DrafterConfig, draft_logits, load_drafter_file, save_drafter
+from jspec.drafters.trained import (
+    DrafterConfig,
+    draft_logits,
+    from_flat,
+    load_drafter_file,
+    save_drafter,
+    to_flat,
+)
 from jspec.models.cache import KVCache
 from jspec.models.llama import forward
 from jspec.rounds import init_state, speculative_round
@@ -40,7 +47,8 @@ def tiny_drafter(kind: str, cut: float = 0.0):
     mod = {"eagle3": eagle3, "dflash": dflash}[kind]
     params = mod.init_params(cfg, jax.random.key(3))
     # Make the verification head non-trivial so that `cut` has something to act on.
-    params["vh_w"] = 0.5 * jax.random.normal(jax.random.key(4), params["vh_w"].shape)
+    params = dataclasses.replace(
+        params, vh_w=0.5 * jax.random.normal(jax.random.key(4), params.vh_w.shape))
     vocab = np.sort(np.random.default_rng(0).permutation(model.config.vocab_size)[:64])
     return model, mod.make(cfg, params, vocab, model.weights, cut=cut)
 
@@ -145,8 +153,8 @@ def test_save_load_roundtrip(tmp_path, kind):
     cfg, params, vocab = load_drafter_file(path)
     assert cfg == drafter.cfg
     np.testing.assert_array_equal(vocab, np.asarray(drafter.vocab_ids))
-    for name, v in drafter.params.items():
-        np.testing.assert_array_equal(np.asarray(params[name]), np.asarray(v))
+    for name, v in to_flat(drafter.params).items():
+        np.testing.assert_array_equal(np.asarray(to_flat(params)[name]), np.asarray(v))
     loaded = jspec.load_drafter(str(path), target=model)
     assert loaded.cfg == drafter.cfg
 
@@ -165,6 +173,27 @@ def test_bad_trained_drafter_inputs(tmp_path):
         jspec.load_drafter(str(tmp_path / "x.safetensors"), target=model)
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_flat_names_round_trip_and_refuse_unknown_or_missing(kind):
+    """Parameters are dataclasses; files and interop use their flat names. The round trip is
+    the identity (same arrays, same layer structure), and a file with a missing or an extra
+    name is refused with the name (never silently dropped or defaulted)."""
+    _, drafter = tiny_drafter(kind)
+    flat = to_flat(drafter.params)
+    assert ("wq" in flat) == (kind == "eagle3") and ("l1.wq" in flat) == (kind == "dflash")
+    back = from_flat(kind, flat)
+    assert jax.tree.structure(back) == jax.tree.structure(drafter.params)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(drafter.params), strict=True):
+        assert a is b
+    lost = next(n for n in flat if n.endswith("w_down"))
+    with pytest.raises(jspec.JspecError, match=lost.replace(".", r"\.")):
+        from_flat(kind, {n: a for n, a in flat.items() if n != lost})
+    with pytest.raises(jspec.JspecError, match=r"unknown.*l9\.wqq"):
+        from_flat(kind, {**flat, "l9.wqq": flat["fc"]})
+    with pytest.raises(jspec.JspecError, match="lack 'fc'"):
+        from_flat(kind, {n: a for n, a in flat.items() if n != "fc"})
+
+
 def test_state_is_a_pytree_without_recompiles():
     model, drafter = tiny_drafter("eagle3")
     ids, lens = _pad(PROMPTS)
@@ -173,7 +202,7 @@ def test_state_is_a_pytree_without_recompiles():
     from jspec.decode import _generate
     before = _generate._cache_size()
     jspec.generate(model, ids, lens, max_new_tokens=10, drafter=dataclasses.replace(
-        drafter, params={k: v * 1.01 for k, v in drafter.params.items()}),
+        drafter, params=jax.tree.map(lambda v: v * 1.01, drafter.params)),
         length=jspec.FixedLength(2))
     assert _generate._cache_size() == before
 

@@ -34,12 +34,14 @@ import optax
 from jspec.drafters import d2sd
 from jspec.drafters.loading import ASSETS, SHIPPED
 from jspec.drafters.trained import (
-    FROZEN,
     DrafterConfig,
+    Frozen,
     Params,
     draft_logits,
     load_drafter_file,
     save_drafter,
+    split_frozen,
+    with_stats,
 )
 from jspec.models.model import load_model
 from train.data import (
@@ -99,30 +101,30 @@ def block_loss(logits: jax.Array, hard: jax.Array, valid: jax.Array, prefix: jax
                   "tau_sim": 1.0 + jnp.sum(jnp.where(first, accepted, 0)) / n}
 
 
-def forward_blocks(cfg: DrafterConfig, params: Params, frozen: dict[str, Any],
+def forward_blocks(cfg: DrafterConfig, params: Params, frozen: Frozen,
                    batch: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
     """(logits, hard, valid, prefix) flattened over the batch's blocks."""
     tokens, lens = batch["tokens"], batch["lens"]
     feats = batch["feats"].astype(jnp.float32)
-    params = {**params, **frozen["stats"]}
+    params = with_stats(params, frozen.stats)
     s = tokens.shape[1]
     gamma = cfg.block
     anchors, prefix = batch["pos"], batch["prefix"]
-    h = d2sd.train_forward(cfg, params, frozen["embed"], tokens, feats, anchors, prefix, gamma)
+    h = d2sd.train_forward(cfg, params, frozen.embed, tokens, feats, anchors, prefix, gamma)
     hsel = h[:, :, 1:]
     tpos = anchors[..., None] + jnp.arange(1, gamma)[None, None]
     valid = batch["valid"][..., None] & (tpos < lens[:, None, None])
     b, n, kk = tpos.shape
     tpc = jnp.minimum(tpos, s - 1).reshape(b, n * kk)
-    hard = frozen["to_draft"][jnp.take_along_axis(tokens, tpc, axis=1)].reshape(b, n, kk)
-    logits = draft_logits(cfg, params, frozen["head"], hsel)
+    hard = frozen.to_draft[jnp.take_along_axis(tokens, tpc, axis=1)].reshape(b, n, kk)
+    logits = draft_logits(cfg, params, frozen.head, hsel)
     return (logits.reshape(b * n, kk, -1), hard.reshape(b * n, kk), valid.reshape(b * n, kk),
             prefix.reshape(b * n))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "tx", "tau"),
                    donate_argnames=("params", "opt_state"))
-def train_step(params: Params, opt_state: Any, frozen: dict[str, Any], batch: dict[str, jax.Array],
+def train_step(params: Params, opt_state: Any, frozen: Frozen, batch: dict[str, jax.Array],
                *, cfg: DrafterConfig, tx: Any, tau: float
                ) -> tuple[Params, Any, dict[str, jax.Array]]:
 
@@ -137,7 +139,7 @@ def train_step(params: Params, opt_state: Any, frozen: dict[str, Any], batch: di
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "tau"))
-def eval_step(params: Params, frozen: dict[str, Any], batch: dict[str, jax.Array], *,
+def eval_step(params: Params, frozen: Frozen, batch: dict[str, jax.Array], *,
               cfg: DrafterConfig, tau: float) -> dict[str, jax.Array]:
     return block_loss(*forward_blocks(cfg, params, frozen, batch), tau=tau)[1]
 
@@ -161,7 +163,7 @@ def batch_for_step(args: argparse.Namespace, rows: Rows, plan: list, step: int,
 
 
 def evaluate(args: argparse.Namespace, rows: Rows, plan: list, feat_idx: list[int],
-             cfg: DrafterConfig, params: Params, frozen: dict[str, Any]) -> dict[str, float]:
+             cfg: DrafterConfig, params: Params, frozen: Frozen) -> dict[str, float]:
     acc: dict[str, list[float]] = {}
     for j, (seq, idx) in enumerate(plan):
         b = _blocks(args, rows, seq, idx, feat_idx, cfg.block,
@@ -204,9 +206,9 @@ def run(args: argparse.Namespace) -> int:
     to_draft = np.full((target.config.vocab_size,), -1, np.int32)
     to_draft[vocab] = np.arange(len(vocab), dtype=np.int32)
     embed = target.weights.embed.astype(jnp.float32)
-    stats = {k: params0[k] for k in FROZEN}
-    frozen = {"embed": embed, "head": jnp.take(embed, jnp.asarray(vocab), axis=0),
-              "to_draft": jnp.asarray(to_draft), "stats": stats}
+    params, stats = split_frozen(params0)
+    frozen = Frozen(embed=embed, head=jnp.take(embed, jnp.asarray(vocab), axis=0),
+                    to_draft=jnp.asarray(to_draft), stats=stats)
     plan = batches_for(rows, tuple(args.seq_buckets), args.batch_tokens)
     held_plan = (batches_for(held, tuple(args.seq_buckets), args.batch_tokens)[: args.eval_batches]
                  if len(held) else [])
@@ -214,7 +216,6 @@ def run(args: argparse.Namespace) -> int:
           f"{len(rows)} sequences, {len(plan)} batches/epoch; held-out {len(held)} sequences; "
           f"draft vocab covers {coverage(rows, vocab):.1%} of training response tokens",
           flush=True)
-    params = {k: v for k, v in params0.items() if k not in FROZEN}
     tx = optimizer(args)
     opt_state = tx.init(params)
 
@@ -229,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     params, _, _ = run_loop(loop, params, opt_state, out, steps=args.steps,
                             ckpt_every=args.ckpt_every, eval_every=args.eval_every)
     final = out / f"{args.name or 'd2sd'}.safetensors"
-    save_drafter(final, cfg, {**params, **stats}, vocab,
+    save_drafter(final, cfg, with_stats(params, stats), vocab,
                  dtype="float32" if args.f32 else "bfloat16",
                  extra_metadata={d2sd.META_FIRST: first_ref})
     print(f"wrote {final} ({final.stat().st_size / 2**20:.1f} MiB) after {args.steps} steps",

@@ -50,9 +50,10 @@ import numpy as np
 from tqdm import tqdm
 
 import jspec
+from jspec.models.blocks import rms_normalize
 from jspec.models.cache import KVCache
 from jspec.models.config import ModelConfig
-from jspec.models.llama import Weights, forward, lm_logits, rms_normalize
+from jspec.models.llama import Weights, forward, lm_logits
 from jspec.models.model import load_model
 from jspec.models.registry import REGISTRY, converted_dir
 from jspec.prompts import load_prompt_set

@@ -19,6 +19,7 @@ on the held-out shards. The result is a safetensors drafter file (bfloat16) that
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 from pathlib import Path
@@ -33,12 +34,14 @@ from jax.sharding import Mesh, NamedSharding
 from jspec import launch, sharding
 from jspec.drafters import dflash, eagle3
 from jspec.drafters.trained import (
-    FROZEN,
     DrafterConfig,
+    Frozen,
     Params,
     draft_logits,
     save_drafter,
+    split_frozen,
     verify_head,
+    with_stats,
 )
 from jspec.errors import JspecError
 from jspec.models.model import load_model
@@ -102,25 +105,25 @@ def block_loss(kind: str, logits: jax.Array, t_logits: jax.Array, hard: jax.Arra
     return loss, metrics
 
 
-def forward_blocks(kind: str, cfg: DrafterConfig, params: Params, frozen: dict[str, jax.Array],
+def forward_blocks(kind: str, cfg: DrafterConfig, params: Params, frozen: Frozen,
                    batch: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
     """(logits, target logits, hard, valid, vh) for the sampled blocks of a batch."""
     tokens, lens = batch["tokens"], batch["lens"]
     feats = batch["feats"].astype(jnp.float32)
     final = batch["final"].astype(jnp.float32)
-    head, to_draft = frozen["head"], frozen["to_draft"]
-    params = {**params, **frozen["stats"]}
+    head, to_draft = frozen.head, frozen.to_draft
+    params = with_stats(params, frozen.stats)
     s = tokens.shape[1]
     if kind == "eagle3":
         steps = cfg.block
-        hs = eagle3.train_forward(cfg, params, frozen["embed"], tokens, feats, steps)
+        hs = eagle3.train_forward(cfg, params, frozen.embed, tokens, feats, steps)
         start = batch["pos"]  # [B, N] chain starts s: step j predicts token s + j + 1
         hsel = jnp.stack([jnp.take_along_axis(h, start[..., None], axis=1) for h in hs], 2)
         tpos = start[..., None] + jnp.arange(2, steps + 2)[None, None]  # [B, N, K]
     else:
         gamma = cfg.block
         anchors = batch["pos"]  # [B, M]
-        h = dflash.train_forward(cfg, params, frozen["embed"], tokens, feats, anchors, gamma)
+        h = dflash.train_forward(cfg, params, frozen.embed, tokens, feats, anchors, gamma)
         hsel = h[:, :, 1:]  # [B, M, γ-1, D]; block slot k predicts token anchor + k
         tpos = anchors[..., None] + jnp.arange(1, gamma)[None, None]
     valid = batch["valid"][..., None] & (tpos < lens[:, None, None])
@@ -141,11 +144,11 @@ def batch_sharding(mesh: Mesh, batch: dict[str, Any]) -> dict[str, NamedSharding
 
 
 def shard_for_training(mesh: Mesh, cfg: DrafterConfig, params: Params, opt_state: Any,
-                       frozen: dict[str, Any], batch: dict[str, Any] | None = None
+                       frozen: Frozen, batch: dict[str, Any] | None = None
                        ) -> tuple[Any, ...]:
     """Place the training inputs on `mesh` through the rules table.
 
-    Parameters and optimizer moments: heads / KV heads / MLP over `model` (by parameter name);
+    Parameters and optimizer moments: heads / KV heads / MLP over `model` (their fields' axes);
     the frozen target embedding and draft head: vocabulary over `model`; the batch: rows over
     `data`. Multi-host safe (every process holds the same full batch: batches are a function
     of (seed, step)).
@@ -170,7 +173,7 @@ def _to_device(mesh: Mesh | None, batch: dict[str, np.ndarray]) -> dict[str, jax
 
 @functools.partial(jax.jit, static_argnames=("kind", "cfg", "tx", "vat_head", "vat_weight", "mesh"),
                    donate_argnames=("params", "opt_state"))
-def train_step(params: Params, opt_state: Any, frozen: dict[str, jax.Array],
+def train_step(params: Params, opt_state: Any, frozen: Frozen,
                batch: dict[str, jax.Array], *, kind: str, cfg: DrafterConfig, tx: Any,
                vat_head: bool, vat_weight: bool, mesh: Mesh | None = None
                ) -> tuple[Params, Any, dict[str, jax.Array]]:
@@ -200,7 +203,7 @@ def train_step(params: Params, opt_state: Any, frozen: dict[str, jax.Array],
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "cfg"))
-def eval_step(params: Params, frozen: dict[str, jax.Array], batch: dict[str, jax.Array], *,
+def eval_step(params: Params, frozen: Frozen, batch: dict[str, jax.Array], *,
               kind: str, cfg: DrafterConfig) -> dict[str, jax.Array]:
     out = forward_blocks(kind, cfg, params, frozen, batch)
     return block_loss(kind, *out, vat_head=True, vat_weight=False)[1]
@@ -325,8 +328,7 @@ def run(args: argparse.Namespace) -> int:
     to_draft = np.full((target.config.vocab_size,), -1, np.int32)
     to_draft[vocab] = np.arange(len(vocab), dtype=np.int32)
     embed = target.weights.embed.astype(jnp.float32)
-    frozen = {"embed": embed, "head": jnp.take(embed, jnp.asarray(vocab), axis=0),
-              "to_draft": jnp.asarray(to_draft)}
+    head = jnp.take(embed, jnp.asarray(vocab), axis=0)
     plan = batches_for(rows, tuple(args.seq_buckets), args.batch_tokens)
     held_plan = (batches_for(held, tuple(args.seq_buckets), args.batch_tokens)[: args.eval_batches]
                  if len(held) else [])
@@ -337,14 +339,14 @@ def run(args: argparse.Namespace) -> int:
           "response tokens", flush=True)
 
     mod = eagle3 if cfg.kind == "eagle3" else dflash
-    params = mod.init_params(cfg, jax.random.key(args.seed))
     stats = feature_stats(rows, feat_idx, args.seed)
-    frozen["stats"] = stats
-    params = {k: v for k, v in params.items() if k not in FROZEN}
+    frozen = Frozen(embed=embed, head=head, to_draft=jnp.asarray(to_draft), stats=stats)
+    params, _ = split_frozen(mod.init_params(cfg, jax.random.key(args.seed)))
     # The LM head is the target's: start from a fifth of the target's final norm, so that the
     # first logits are near-uniform in the target's geometry (the target's full scale on random
     # hidden states starts at ~20 nats of cross-entropy instead of ~8).
-    params["final_norm"] = 0.2 * jnp.asarray(target.weights.final_norm, jnp.float32)
+    params = dataclasses.replace(
+        params, final_norm=0.2 * jnp.asarray(target.weights.final_norm, jnp.float32))
     tx = optimizer(args)
     opt_state = tx.init(params)
     if mesh is not None:  # before a restore, which then fills the placed layout
@@ -372,7 +374,7 @@ def run(args: argparse.Namespace) -> int:
         params = sharding.to_host(params)
     if not writer:
         return 0
-    save_drafter(final, cfg, {**params, **stats}, vocab, dtype="float32" if args.f32 else "bfloat16")
+    save_drafter(final, cfg, with_stats(params, stats), vocab, dtype="float32" if args.f32 else "bfloat16")
     size = final.stat().st_size / 2**20
     print(f"wrote {final} ({size:.1f} MiB) after {args.steps} steps", flush=True)
     return 0

@@ -24,9 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from jspec.models.blocks import rms_normalize
 from jspec.models.cache import KVCache
 from jspec.models.config import ModelConfig
-from jspec.models.llama import Weights, forward, rms_normalize
+from jspec.models.llama import Weights, forward
 from jspec.models.model import load_model
 from train.datagen import FEATURE_LAYERS, Shard, load_shard, save_shard
 

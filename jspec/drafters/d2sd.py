@@ -41,6 +41,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jspec.drafters import dflash
 from jspec.drafters.base import Capabilities, DraftContext, Proposal
 from jspec.drafters.dflash import (
     DFlash,
@@ -49,15 +50,15 @@ from jspec.drafters.dflash import (
     train_blocks,
     train_context,
 )
-from jspec.drafters.trained import DrafterConfig, Params, draft_logits
+from jspec.drafters.trained import DFlashParams, DrafterConfig, draft_logits
 from jspec.errors import JspecError
-from jspec.models.llama import rms_normalize
+from jspec.models.blocks import rms_normalize
 from jspec.sampling import NEG, Sampling
 
 META_FIRST = "jspec_d2sd_first"  # safetensors metadata: the first drafter (name or path)
 
 
-def block_inputs_prefix(p: Params, embed: jax.Array, block_tokens: jax.Array,
+def block_inputs_prefix(p: DFlashParams, embed: jax.Array, block_tokens: jax.Array,
                         prefix_len: jax.Array, last_c: jax.Array) -> jax.Array:
     """f32[B, M*γ, D] block inputs with a known prefix.
 
@@ -71,15 +72,15 @@ def block_inputs_prefix(p: Params, embed: jax.Array, block_tokens: jax.Array,
     b, m, gamma = block_tokens.shape
     e = rms_normalize(jnp.take(embed, block_tokens, axis=0)) + last_c[:, :, None]  # [B,M,γ,D]
     a = e[:, :, :1]
-    slot = p["slot_emb"][:gamma]  # [γ, D]
+    slot = p.slot_emb[:gamma]  # [γ, D]
     known = e + slot
-    masked = a + (p["mask_emb"] + slot)
+    masked = a + (p.mask_emb + slot)
     s = jnp.arange(gamma)[None, None, :, None]
     x = jnp.where(s == 0, a, jnp.where(s <= prefix_len[:, :, None, None], known, masked))
     return x.reshape(b, m * gamma, -1)
 
 
-def train_forward(cfg: DrafterConfig, p: Params, embed: jax.Array, tokens: jax.Array,
+def train_forward(cfg: DrafterConfig, p: DFlashParams, embed: jax.Array, tokens: jax.Array,
                   feats: jax.Array, anchors: jax.Array, prefix_len: jax.Array,
                   gamma: int) -> jax.Array:
     """Many variable-prefix blocks per sequence in one pass (training).
@@ -237,7 +238,7 @@ class D2SD:
         x = block_inputs_prefix(p, d.embed, blk, bounds,
                                 jnp.broadcast_to(last_c[:, None], (b, n_br, last_c.shape[-1])))
         qpos = ctx.cache_len[:, None] + jnp.tile(jnp.arange(gamma, dtype=jnp.int32), n_br)[None]
-        slots = jnp.arange(ck[0].shape[1], dtype=jnp.int32)
+        slots = jnp.arange(ck[0].shape[2], dtype=jnp.int32)
         ctx_mask = jnp.broadcast_to(slots[None, None, :] < ctx.cache_len[:, None, None],
                                     (b, n_br * gamma, slots.shape[0]))
         bid = jnp.repeat(jnp.arange(n_br), gamma)
@@ -257,11 +258,9 @@ class D2SD:
         return toks, dataclasses.replace(st, ck=ck, cv=cv, last_c=last_c)
 
 
-def make(first: DFlash, cfg: DrafterConfig, params: Params, vocab_ids: Any, target_weights: Any,
+def make(first: DFlash, cfg: DrafterConfig, params: DFlashParams, vocab_ids: Any, target_weights: Any,
          branches: int = 4, branch_len: int = 1, name: str = "d2sd") -> D2SD:
     """A D²SD drafter from a loaded first drafter and the second drafter's file contents."""
-    from jspec.drafters import dflash  # noqa: PLC0415
-
     if not isinstance(first, DFlash):
         raise JspecError(f"the D2SD first drafter must be a DFlash drafter, got "
                          f"{type(first).__name__}")

@@ -18,93 +18,94 @@ import jax.numpy as jnp
 
 from jspec.drafters.base import DraftContext
 from jspec.drafters.trained import (
+    DFlashParams,
     DrafterConfig,
-    Params,
     Pending,
     TrainedDrafter,
-    attention,
     choose,
-    dense,
     draft_logits,
+    heads_first,
     in_config_order,
     init_dense,
     init_layer,
-    mlp,
-    qkv,
+    rot,
     shared_inputs,
     standardize,
     verify_head,
 )
-from jspec.models.llama import rms_norm, rms_normalize, rope
+from jspec.models import blocks
+from jspec.models.blocks import apply_rope, dense, rms_norm, rms_normalize
+from jspec.models.cache import KV_AXES, write_slots
 from jspec.sampling import Sampling
+from jspec.sharding import logical
 
 
-def init_params(cfg: DrafterConfig, key: jax.Array) -> Params:
+def init_params(cfg: DrafterConfig, key: jax.Array) -> DFlashParams:
     d, f = cfg.hidden_size, len(cfg.feature_layers)
     ks = jax.random.split(key, cfg.num_layers + 2)
-    p = {"feat_mean": jnp.zeros((f, d), jnp.float32), "feat_std": jnp.ones((f, d), jnp.float32),
-         "fc": init_dense(ks[0], f * d, d), "fc_norm": jnp.ones((d,), jnp.float32),
-         "mask_emb": 0.02 * jax.random.normal(ks[1], (d,), jnp.float32),
-         # Unit-scale slot embeddings: with 0.02 the slots start out indistinguishable and the
-         # 7-position loss held every slot at the unigram solution (acc@1 ~0.1 after 100 steps
-         # vs ~0.25 after 60 with this; a 1-slot block learns at EAGLE's pace either way).
-         "slot_emb": 1.0 * jax.random.normal(jax.random.fold_in(ks[1], 1), (cfg.block, d),
-                                              jnp.float32),
-         "final_norm": jnp.ones((d,), jnp.float32),
-         "vh_w": jnp.zeros((d,), jnp.float32), "vh_b": jnp.zeros((1,), jnp.float32)}
-    for i in range(cfg.num_layers):
-        p[f"l{i}.attn_norm"] = jnp.ones((d,), jnp.float32)
-        p.update(init_layer(ks[i + 2], cfg, f"l{i}.", d))
-    return p
+    return DFlashParams(
+        feat_mean=jnp.zeros((f, d), jnp.float32), feat_std=jnp.ones((f, d), jnp.float32),
+        fc=init_dense(ks[0], f * d, d), fc_norm=jnp.ones((d,), jnp.float32),
+        mask_emb=0.02 * jax.random.normal(ks[1], (d,), jnp.float32),
+        # Unit-scale slot embeddings: with 0.02 the slots start out indistinguishable and the
+        # 7-position loss held every slot at the unigram solution (acc@1 ~0.1 after 100 steps
+        # vs ~0.25 after 60 with this; a 1-slot block learns at EAGLE's pace either way).
+        slot_emb=1.0 * jax.random.normal(jax.random.fold_in(ks[1], 1), (cfg.block, d),
+                                         jnp.float32),
+        final_norm=jnp.ones((d,), jnp.float32),
+        vh_w=jnp.zeros((d,), jnp.float32), vh_b=jnp.zeros((1,), jnp.float32),
+        layers=tuple(init_layer(ks[i + 2], cfg, d, attn_norm=True)
+                     for i in range(cfg.num_layers)))
 
 
-def context(cfg: DrafterConfig, p: Params, feats: jax.Array) -> jax.Array:
+def context(cfg: DrafterConfig, p: DFlashParams, feats: jax.Array) -> jax.Array:
     """c f32[B, T, D] = RMSNorm(fc(concat features)) from f32[B, T, F, D]."""
     b, t, f, d = feats.shape
     z = standardize(p, feats).reshape(b, t, f * d)
-    return rms_norm(dense(z, p["fc"]), p["fc_norm"], cfg.rms_eps)
+    return rms_norm(dense(z, p.fc), p.fc_norm, cfg.rms_eps)
 
 
-def context_kv(cfg: DrafterConfig, p: Params, c: jax.Array, positions: jax.Array
+def context_kv(cfg: DrafterConfig, p: DFlashParams, c: jax.Array, positions: jax.Array
                ) -> list[tuple[jax.Array, jax.Array]]:
-    """Per layer (k [B, T, KV, hd] RoPE'd at `positions`, v) of the context."""
+    """Per layer (k [B, T, KV, hd] RoPE'd at `positions`, v) of the context: each layer's
+    k/v projections (and k norm) of c, not normed by the layer's input norm."""
     b, t, _ = c.shape
-    inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
+    cos, sin = rot(cfg, positions)
     out = []
-    for i in range(cfg.num_layers):
-        k = dense(c, p[f"l{i}.wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = dense(c, p[f"l{i}.wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            k = rms_norm(k, p[f"l{i}.k_norm"], cfg.rms_eps)
-        out.append((rope(k, positions, inv), v))
+    for lw in p.layers:
+        k = dense(c, lw.wk).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = dense(c, lw.wv).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if lw.k_norm is not None:
+            k = rms_norm(k, lw.k_norm, cfg.rms_eps)
+        out.append((apply_rope(k, cos, sin), v))
     return out
 
 
-def block_forward(cfg: DrafterConfig, p: Params, x: jax.Array, positions: jax.Array,
+def block_forward(cfg: DrafterConfig, p: DFlashParams, x: jax.Array, positions: jax.Array,
                   ctx_kv: list[tuple[jax.Array, jax.Array]], ctx_mask: jax.Array,
                   block_mask: jax.Array) -> jax.Array:
-    """Drafter layers over block tokens.
+    """Drafter layers (the target's `blocks.qkv` / `attention` / `mlp`) over block tokens.
 
     Args:
       x: f32[B, T, D] block input embeddings; positions: i32[B, T].
-      ctx_kv: per layer context (k, v) [B, S, KV, hd]; ctx_mask: bool[B, T, S].
+      ctx_kv: per layer context (k, v) head-major [B, KV, S, hd]; ctx_mask: bool[B, T, S].
       block_mask: bool[B, T, T] (which block tokens see which: same block).
     Returns:
       f32[B, T, D] hidden states (before the final norm).
     """
     mask = jnp.concatenate([ctx_mask, block_mask], axis=2)
-    for i in range(cfg.num_layers):
-        y = rms_norm(x, p[f"l{i}.attn_norm"], cfg.rms_eps)
-        q, k, v = qkv(cfg, p, f"l{i}.", y, positions)
-        ck, cv = ctx_kv[i]
-        o = attention(q, jnp.concatenate([ck, k], axis=1), jnp.concatenate([cv, v], axis=1),
-                      mask)
-        x = x + dense(o, p[f"l{i}.wo"])
-        x = mlp(p, f"l{i}.", x, cfg.rms_eps)
+    angles = rot(cfg, positions)
+    b, t, _ = x.shape
+    for lw, (ck, cv) in zip(p.layers, ctx_kv, strict=True):
+        q, k, v = blocks.qkv(cfg.heads, lw, rms_norm(x, lw.attn_norm, cfg.rms_eps), angles)
+        o = blocks.attention(q, jnp.concatenate([ck, heads_first(k)], axis=2),
+                             jnp.concatenate([cv, heads_first(v)], axis=2), mask)
+        x = x + dense(o.reshape(b, t, -1), lw.wo)
+        x = blocks.mlp(lw, x, cfg.rms_eps)
     return x
 
 
-def block_inputs(p: Params, embed: jax.Array, anchors: jax.Array, gamma: int,
+def block_inputs(p: DFlashParams, embed: jax.Array, anchors: jax.Array, gamma: int,
                  last_c: jax.Array) -> jax.Array:
     """f32[B, M*γ, D]: per anchor, [emb(anchor), MASK_1 .. MASK_{γ-1}]. anchors: i32[B, M];
     last_c: f32[B, M, D] the projected context feature just before each anchor.
@@ -118,7 +119,7 @@ def block_inputs(p: Params, embed: jax.Array, anchors: jax.Array, gamma: int,
     """
     b, m = anchors.shape
     a = rms_normalize(jnp.take(embed, anchors, axis=0))[:, :, None] + last_c[:, :, None]
-    slots = p["mask_emb"] + p["slot_emb"][1:gamma]  # [γ-1, D]
+    slots = p.mask_emb + p.slot_emb[1:gamma]  # [γ-1, D]
     msk = a + slots[None, None]
     return jnp.concatenate([a, msk], axis=2).reshape(b, m * gamma, -1)
 
@@ -133,7 +134,7 @@ def token_block_inputs(embed: jax.Array, anchors: jax.Array, gamma: int, mask_id
     return jnp.take(embed, toks.reshape(b, m * gamma), axis=0).astype(jnp.float32)
 
 
-def make_block_inputs(cfg: DrafterConfig, p: Params, embed: jax.Array, anchors: jax.Array,
+def make_block_inputs(cfg: DrafterConfig, p: DFlashParams, embed: jax.Array, anchors: jax.Array,
                       gamma: int, last_c: jax.Array) -> jax.Array:
     """f32[B, M*γ, D] block inputs in the drafter's variant (`cfg.block_input`)."""
     if cfg.block_input == "tokens":
@@ -141,7 +142,7 @@ def make_block_inputs(cfg: DrafterConfig, p: Params, embed: jax.Array, anchors: 
     return block_inputs(p, embed, anchors, gamma, last_c)
 
 
-def train_forward(cfg: DrafterConfig, p: Params, embed: jax.Array, tokens: jax.Array,
+def train_forward(cfg: DrafterConfig, p: DFlashParams, embed: jax.Array, tokens: jax.Array,
                   feats: jax.Array, anchors: jax.Array, gamma: int) -> jax.Array:
     """Many blocks per sequence in one pass.
 
@@ -157,22 +158,23 @@ def train_forward(cfg: DrafterConfig, p: Params, embed: jax.Array, tokens: jax.A
     return train_blocks(cfg, p, x, anchors, ctx_kv, gamma)
 
 
-def train_context(cfg: DrafterConfig, p: Params, feats: jax.Array
+def train_context(cfg: DrafterConfig, p: DFlashParams, feats: jax.Array
                   ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
-    """Projected context c f32[B, S, D] of a training sequence and its per-layer (k, v)."""
+    """Projected context c f32[B, S, D] of a training sequence and its per-layer (k, v)
+    head-major [B, KV, S, hd]."""
     b, s = feats.shape[:2]
     c = context(cfg, p, feats)
     pos_s = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    return c, context_kv(cfg, p, c, pos_s)
+    return c, [(heads_first(k), heads_first(v)) for k, v in context_kv(cfg, p, c, pos_s)]
 
 
-def train_blocks(cfg: DrafterConfig, p: Params, x: jax.Array, anchors: jax.Array,
+def train_blocks(cfg: DrafterConfig, p: DFlashParams, x: jax.Array, anchors: jax.Array,
                  ctx_kv: list[tuple[jax.Array, jax.Array]], gamma: int) -> jax.Array:
     """M blocks per sequence in one pass: x f32[B, M*γ, D] block inputs at anchors i32[B, M],
     each block attending to the context before its anchor and bidirectionally within itself.
     Returns f32[B, M, γ, D]."""
     b, m = anchors.shape
-    s = ctx_kv[0][0].shape[1]
+    s = ctx_kv[0][0].shape[2]
     pos_s = jnp.arange(s, dtype=jnp.int32)
     qpos = (anchors[:, :, None] + jnp.arange(gamma)[None, None]).reshape(b, m * gamma)
     qa = jnp.repeat(anchors, gamma, axis=1)  # [B, M*γ] anchor of each query
@@ -186,8 +188,8 @@ def train_blocks(cfg: DrafterConfig, p: Params, x: jax.Array, anchors: jax.Array
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DFlashState:
-    ck: tuple[jax.Array, ...]  # per layer f32[B, C, KV, hd]: context keys, slot = position
-    cv: tuple[jax.Array, ...]
+    ck: tuple[jax.Array, ...] = logical(*KV_AXES)  # per layer f32[B, KV, C, hd]: context keys
+    cv: tuple[jax.Array, ...] = logical(*KV_AXES)  # (slot = position)
     pending: Pending
     conf: jax.Array  # f32[B, K] confidences (each slot's max probability) of the last proposal
     vhat: jax.Array  # f32[B, K] verification-head probabilities
@@ -201,10 +203,10 @@ class DFlash(TrainedDrafter):
     """The DFlash drafter as a jspec drafter: k <= block-1 tokens in one pass, more in chained
     blocks."""
 
-    params: Params
-    embed: jax.Array  # [V, D] the target's embedding (shared)
-    head: jax.Array  # [Vd, D]
-    vocab_ids: jax.Array  # i32[Vd]
+    params: DFlashParams
+    embed: jax.Array = logical("vocab", "embed")  # [V, D] the target's embedding (shared)
+    head: jax.Array = logical("vocab", "embed")  # [Vd, D]
+    vocab_ids: jax.Array = logical(None)  # i32[Vd]
     cfg: DrafterConfig = dataclasses.field(metadata=dict(static=True))
     cut: float = dataclasses.field(metadata=dict(static=True), default=0.0)
     name: str = dataclasses.field(metadata=dict(static=True), default="dflash")
@@ -212,13 +214,11 @@ class DFlash(TrainedDrafter):
     max_batch: int = dataclasses.field(metadata=dict(static=True), default=0)
 
     def _write(self, ck, cv, feats, positions):
+        """Context K/V of feats f32[B, T, F, D] written at consecutive positions i32[B, T]."""
         c = context(self.cfg, self.params, feats)
-        rows = jnp.arange(feats.shape[0])[:, None]
         kv = context_kv(self.cfg, self.params, c, positions)
-        ck = tuple(a.at[rows, positions].set(k, mode="drop")
-                   for a, (k, _) in zip(ck, kv, strict=True))
-        cv = tuple(a.at[rows, positions].set(v, mode="drop")
-                   for a, (_, v) in zip(cv, kv, strict=True))
+        ck = tuple(write_slots(a, k, positions[:, 0]) for a, (k, _) in zip(ck, kv, strict=True))
+        cv = tuple(write_slots(a, v, positions[:, 0]) for a, (_, v) in zip(cv, kv, strict=True))
         return ck, cv, c
 
     @property
@@ -233,7 +233,7 @@ class DFlash(TrainedDrafter):
         b, p = prompt_ids.shape
         cfg = self.cfg
         features = in_config_order(cfg, features)
-        z = jnp.zeros((b, capacity, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
+        z = jnp.zeros((b, cfg.num_kv_heads, capacity, cfg.head_dim), jnp.float32)
         pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         ck, cv, c = self._write((z,) * cfg.num_layers, (z,) * cfg.num_layers, features, pos)
         pend = jnp.zeros((b, (verify_width or k) + 1, *features.shape[2:]), jnp.float32)
@@ -293,7 +293,7 @@ class DFlash(TrainedDrafter):
         x = make_block_inputs(cfg, p, self.embed, anchor[:, None], gamma,
                               last_c[:, None])  # [B, γ, D]
         qpos = anchor_pos[:, None] + jnp.arange(gamma, dtype=jnp.int32)[None]
-        slots = jnp.arange(ck[0].shape[1], dtype=jnp.int32)
+        slots = jnp.arange(ck[0].shape[2], dtype=jnp.int32)
         ctx_mask = jnp.broadcast_to(slots[None, None, :] < ctx_len[:, None, None],
                                     (b, gamma, slots.shape[0]))
         h = block_forward(cfg, p, x, qpos, list(zip(ck, cv, strict=True)), ctx_mask,
@@ -325,7 +325,7 @@ class DFlash(TrainedDrafter):
         return tokens, q, conf
 
 
-def make(cfg: DrafterConfig, params: Params, vocab_ids: Any, target_weights: Any,
+def make(cfg: DrafterConfig, params: DFlashParams, vocab_ids: Any, target_weights: Any,
          cut: float = 0.0, name: str = "dflash") -> DFlash:
     return DFlash(**shared_inputs(vocab_ids, target_weights, params), cfg=cfg, cut=cut,
                  name=name)

@@ -13,78 +13,79 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jspec.drafters.base import DraftContext
 from jspec.drafters.trained import (
     DrafterConfig,
-    Params,
+    Eagle3Params,
     Pending,
     TrainedDrafter,
-    attention,
     choose,
-    dense,
     draft_logits,
+    heads_first,
     in_config_order,
     init_dense,
     init_layer,
-    mlp,
-    qkv,
+    rot,
     shared_inputs,
     standardize,
     verify_head,
 )
-from jspec.models.llama import rms_norm
+from jspec.models import blocks
+from jspec.models.blocks import dense, rms_norm
+from jspec.models.cache import KV_AXES
 from jspec.sampling import Sampling
+from jspec.sharding import logical
 
 
-def init_params(cfg: DrafterConfig, key: jax.Array) -> Params:
+def init_params(cfg: DrafterConfig, key: jax.Array) -> Eagle3Params:
     d, f = cfg.hidden_size, len(cfg.feature_layers)
     k1, k2 = jax.random.split(key)
-    p = {"feat_mean": jnp.zeros((f, d), jnp.float32), "feat_std": jnp.ones((f, d), jnp.float32),
-         "fc": init_dense(k1, f * d, d), "norm_emb": jnp.ones((d,), jnp.float32),
-         "norm_feat": jnp.ones((d,), jnp.float32), "final_norm": jnp.ones((d,), jnp.float32),
-         "vh_w": jnp.zeros((d,), jnp.float32), "vh_b": jnp.zeros((1,), jnp.float32)}
-    p.update(init_layer(k2, cfg, "", 2 * d))
-    return p
+    def ones() -> jax.Array:  # one buffer per parameter (training donates them)
+        return jnp.ones((d,), jnp.float32)
+
+    return Eagle3Params(feat_mean=jnp.zeros((f, d), jnp.float32),
+                        feat_std=jnp.ones((f, d), jnp.float32), fc=init_dense(k1, f * d, d),
+                        norm_emb=ones(), norm_feat=ones(), final_norm=ones(),
+                        vh_w=jnp.zeros((d,), jnp.float32), vh_b=jnp.zeros((1,), jnp.float32),
+                        layer=init_layer(k2, cfg, 2 * d, attn_norm=False))
 
 
-def fuse(p: Params, feats: jax.Array) -> jax.Array:
+def fuse(p: Eagle3Params, feats: jax.Array) -> jax.Array:
     """g f32[B, T, D] from rms-normalised features f32[B, T, F, D]."""
     b, t, f, d = feats.shape
-    return dense(standardize(p, feats).reshape(b, t, f * d), p["fc"])
+    return dense(standardize(p, feats).reshape(b, t, f * d), p.fc)
 
 
-def _layer_in(cfg: DrafterConfig, p: Params, emb: jax.Array, g: jax.Array) -> jax.Array:
-    return jnp.concatenate([rms_norm(emb, p["norm_emb"], cfg.rms_eps),
-                            rms_norm(g, p["norm_feat"], cfg.rms_eps)], axis=-1)  # [B, T, 2D]
+def _layer_in(cfg: DrafterConfig, p: Eagle3Params, emb: jax.Array, g: jax.Array) -> jax.Array:
+    return jnp.concatenate([rms_norm(emb, p.norm_emb, cfg.rms_eps),
+                            rms_norm(g, p.norm_feat, cfg.rms_eps)], axis=-1)  # [B, T, 2D]
 
 
-def _residual(cfg: DrafterConfig, p: Params, g: jax.Array) -> jax.Array:
+def _residual(cfg: DrafterConfig, p: Eagle3Params, g: jax.Array) -> jax.Array:
     """The attention block's residual: g, or hidden_norm(g) with `norm_before_residual` (a
     vLLM option of EAGLE-3 checkpoints)."""
-    return rms_norm(g, p["norm_feat"], cfg.rms_eps) if cfg.norm_before_residual else g
+    return rms_norm(g, p.norm_feat, cfg.rms_eps) if cfg.norm_before_residual else g
 
 
-def step(cfg: DrafterConfig, p: Params, emb: jax.Array, g: jax.Array, positions: jax.Array,
-         ck: jax.Array, cv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One cached pass over T entries. emb, g: [B, T, D]; positions i32[B, T] (= cache slots).
+def step(cfg: DrafterConfig, p: Eagle3Params, emb: jax.Array, g: jax.Array,
+         positions: jax.Array, ck: jax.Array, cv: jax.Array
+         ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One cached pass over T entries at consecutive positions i32[B, T] (= cache slots).
+    emb, g: [B, T, D]; ck, cv f32[B, KV, C, hd].
 
-    Writes the entries' K/V at their slots and attends to every slot <= own position.
+    The target's decoder layer (`blocks.layer`): writes the entries' K/V at their slots and
+    attends to every slot <= own position (a chain from positions[:, 0]).
     Returns (h f32[B, T, D], ck, cv).
     """
-    b = emb.shape[0]
-    q, k, v = qkv(cfg, p, "", _layer_in(cfg, p, emb, g), positions)
-    rows = jnp.arange(b)[:, None]
-    ck = ck.at[rows, positions].set(k, mode="drop")
-    cv = cv.at[rows, positions].set(v, mode="drop")
-    slots = jnp.arange(ck.shape[1], dtype=jnp.int32)
-    mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, C]
-    x = _residual(cfg, p, g) + dense(attention(q, ck, cv, mask), p["wo"])
-    return mlp(p, "", x, cfg.rms_eps), ck, cv
+    slots = jnp.arange(ck.shape[2], dtype=jnp.int32)
+    at = blocks.Attend(use_pallas=False, mask=slots[None, None, :] <= positions[:, :, None],
+                       lengths=positions[:, 0])
+    return blocks.layer(cfg.heads, p.layer, g, rot(cfg, positions), at, ck, cv,
+                        y=_layer_in(cfg, p, emb, g), residual=_residual(cfg, p, g))
 
 
-def train_forward(cfg: DrafterConfig, p: Params, embed: jax.Array, tokens: jax.Array,
+def train_forward(cfg: DrafterConfig, p: Eagle3Params, embed: jax.Array, tokens: jax.Array,
                   feats: jax.Array, steps: int) -> list[jax.Array]:
     """Training-time test over whole sequences, all chains in parallel.
 
@@ -100,31 +101,22 @@ def train_forward(cfg: DrafterConfig, p: Params, embed: jax.Array, tokens: jax.A
     nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, steps), jnp.int32)], axis=1)
     g = fuse(p, feats)
     causal = pos[:, :, None] >= pos[:, None, :]  # [B, S, S]
-    hd, kvh = cfg.head_dim, cfg.num_kv_heads
-    grp = cfg.num_heads // kvh
-    outs, diag_k, diag_v = [], [], []
+    outs, own_k, own_v = [], [], []
     k1 = v1 = None
     for j in range(1, steps + 1):
         emb = jnp.take(embed, nxt[:, j - 1: j - 1 + s], axis=0).astype(jnp.float32)
-        q, k, v = qkv(cfg, p, "", _layer_in(cfg, p, emb, g), pos + (j - 1))
+        q, k, v = blocks.qkv(cfg.heads, p.layer, _layer_in(cfg, p, emb, g),
+                             rot(cfg, pos + (j - 1)))
         if j == 1:
-            k1, v1 = k, v
-            o = attention(q, k, v, causal)
-        else:
-            diag_k.append(k)
-            diag_v.append(v)
-            qg = q.reshape(b, s, kvh, grp, hd)
-            sc = jnp.einsum("btkgd,bskd->bkgts", qg, k1) / np.sqrt(hd)
-            sc = jnp.where(causal[:, None, None], sc, -1e30)  # [B, KV, G, S, S]
-            sd = jnp.stack([jnp.einsum("btkgd,btkd->bkgt", qg, dk) for dk in diag_k], -1)
-            sd = sd / np.sqrt(hd)  # [B, KV, G, S, j-1]
-            pr = jax.nn.softmax(jnp.concatenate([sc, sd], axis=-1), axis=-1)
-            o = jnp.einsum("bkgts,bskd->btkgd", pr[..., :s], v1)
-            for i, dv in enumerate(diag_v):
-                o = o + jnp.einsum("bkgt,btkd->btkgd", pr[..., s + i], dv)
-            o = o.reshape(b, s, cfg.num_heads * hd)
-        x = _residual(cfg, p, g) + dense(o, p["wo"])
-        h = mlp(p, "", x, cfg.rms_eps)
+            k1, v1 = heads_first(k), heads_first(v)
+            o = blocks.attention(q, k1, v1, causal)
+        else:  # step j also sees its own earlier steps' entries at the same position
+            own_k.append(k)
+            own_v.append(v)
+            o = blocks.attention(q, k1, v1, causal,
+                                 own=(jnp.stack(own_k, axis=2), jnp.stack(own_v, axis=2)))
+        x = _residual(cfg, p, g) + dense(o.reshape(b, s, -1), p.layer.wo)
+        h = blocks.mlp(p.layer, x, cfg.rms_eps)
         outs.append(h)
         g = h
     return outs
@@ -133,8 +125,8 @@ def train_forward(cfg: DrafterConfig, p: Params, embed: jax.Array, tokens: jax.A
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Eagle3State:
-    ck: jax.Array  # f32[B, C, KV, hd] the drafter's keys, slot = position
-    cv: jax.Array
+    ck: jax.Array = logical(*KV_AXES)  # f32[B, KV, C, hd] the drafter's keys, slot = position
+    cv: jax.Array = logical(*KV_AXES)
     pending: Pending
     conf: jax.Array  # f32[B, K] confidences of the last proposal
     vhat: jax.Array  # f32[B, K] verification-head probabilities of the last proposal
@@ -150,10 +142,10 @@ class Eagle3(TrainedDrafter):
     probability falls below `cut` are withdrawn (proposed as -1).
     """
 
-    params: Params
-    embed: jax.Array  # [V, D] the target's embedding (shared)
-    head: jax.Array  # [Vd, D] the target's LM head rows of the draft vocabulary
-    vocab_ids: jax.Array  # i32[Vd]
+    params: Eagle3Params
+    embed: jax.Array = logical("vocab", "embed")  # [V, D] the target's embedding (shared)
+    head: jax.Array = logical("vocab", "embed")  # [Vd, D] the target's LM head rows (draft vocab)
+    vocab_ids: jax.Array = logical(None)  # i32[Vd]
     cfg: DrafterConfig = dataclasses.field(metadata=dict(static=True))
     cut: float = dataclasses.field(metadata=dict(static=True), default=0.0)
     name: str = dataclasses.field(metadata=dict(static=True), default="eagle3")
@@ -167,7 +159,7 @@ class Eagle3(TrainedDrafter):
         b, p = prompt_ids.shape
         cfg = self.cfg
         features = in_config_order(cfg, features)
-        ck = jnp.zeros((b, capacity, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
+        ck = jnp.zeros((b, cfg.num_kv_heads, capacity, cfg.head_dim), jnp.float32)
         cv = jnp.zeros_like(ck)
         pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         nxt = jnp.concatenate([prompt_ids[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
@@ -213,7 +205,7 @@ class Eagle3(TrainedDrafter):
                                       vhat=vhat, hidden=jnp.stack(hs, axis=1))
 
 
-def make(cfg: DrafterConfig, params: Params, vocab_ids: Any, target_weights: Any,
+def make(cfg: DrafterConfig, params: Eagle3Params, vocab_ids: Any, target_weights: Any,
          cut: float = 0.0, name: str = "eagle3") -> Eagle3:
     return Eagle3(**shared_inputs(vocab_ids, target_weights, params), cfg=cfg, cut=cut,
                  name=name)

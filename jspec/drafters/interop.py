@@ -91,8 +91,11 @@ from jspec.drafters.st_io import (  # noqa: F401  (re-exported)
     read_safetensors,
     write_safetensors,
 )
-from jspec.drafters.trained import DrafterConfig, Params, check_target
+from jspec.drafters.trained import DrafterConfig, check_target, from_flat
 from jspec.errors import JspecError
+from jspec.models.model import load_model
+
+Flat = dict[str, Any]  # parameters by their flat names (`trained.to_flat`)
 
 
 class _Tensors:
@@ -188,7 +191,7 @@ def _layer_ids_eagle3(f: _Fields, num_target_layers: int) -> tuple[int, ...]:
 
 
 def _read_eagle3(path: Path, cfg: dict[str, Any], target_config: Any
-                 ) -> tuple[DrafterConfig, Params, np.ndarray, Any, Any]:
+                 ) -> tuple[DrafterConfig, Flat, np.ndarray, Any, Any]:
     f = _Fields(cfg, str(path / "config.json"), IGNORED)
     f.get("architectures", list)
     # vLLM builds the same Llama layer whatever the config class says; only LlamaConfig's
@@ -229,7 +232,7 @@ def _read_eagle3(path: Path, cfg: dict[str, Any], target_config: Any
     def mid(name: str, shape: tuple[int, ...]) -> np.ndarray:
         return t.take((f"midlayer.{name}", f"layers.0.{name}"), shape)
 
-    p: Params = {
+    p: Flat = {
         "fc": _f32(t.take("fc.weight", (d, nf * d)), True),
         "norm_emb": _f32(mid("input_layernorm.weight", (d,))),
         "norm_feat": _f32(mid("hidden_norm.weight", (d,))),
@@ -267,7 +270,7 @@ def _default_dflash_layers(num_target_layers: int, num_draft_layers: int) -> tup
 
 
 def _read_dflash(path: Path, cfg: dict[str, Any], target_config: Any
-                 ) -> tuple[DrafterConfig, Params, np.ndarray, Any, Any]:
+                 ) -> tuple[DrafterConfig, Flat, np.ndarray, Any, Any]:
     f = _Fields(cfg, str(path / "config.json"), IGNORED)
     f.get("architectures", list)
     f.expect("model_type", ("qwen3", "llama"), "DFlash drafters are Qwen3-style layers")
@@ -316,7 +319,7 @@ def _read_dflash(path: Path, cfg: dict[str, Any], target_config: Any
         raise JspecError(f"{path}: a separate mask_embedding.pt is not supported")
     nf = len(layers)
     t = _Tensors(_read_dir_tensors(path), str(path))
-    p: Params = {"fc": _f32(t.take("fc.weight", (d, nf * d)), True),
+    p: Flat = {"fc": _f32(t.take("fc.weight", (d, nf * d)), True),
                  "fc_norm": _f32(t.take("hidden_norm.weight", (d,))),
                  "final_norm": _f32(t.take("norm.weight", (d,)))}
     for i in range(n_layers):
@@ -351,11 +354,11 @@ def _read_dflash(path: Path, cfg: dict[str, Any], target_config: Any
             None if head is None else _f32(head))
 
 
-def _defaults_and_extra(p: Params, extra: dict[str, np.ndarray], nf: int, d: int,
-                        where: str) -> Params:
+def _defaults_and_extra(p: Flat, extra: dict[str, np.ndarray], nf: int, d: int,
+                        where: str) -> Flat:
     """jspec's own parameters: identity standardisation and a silent VAT head unless the
     export's extra tensors give them."""
-    out: Params = {"feat_mean": jnp.zeros((nf, d), jnp.float32),
+    out: Flat = {"feat_mean": jnp.zeros((nf, d), jnp.float32),
                    "feat_std": jnp.ones((nf, d), jnp.float32),
                    "vh_w": jnp.zeros((d,), jnp.float32), "vh_b": jnp.zeros((1,), jnp.float32)}
     for k, a in extra.items():
@@ -379,8 +382,6 @@ def load_checkpoint(path: str | Path, target: Any = None, *, name: str | None = 
     Returns:
       the drafter, its config's `feature_norm` telling the decoder whether to normalise.
     """
-    from jspec.models.model import load_model  # noqa: PLC0415 (models import drafters' users)
-
     path = Path(path)
     cfg_path = path / "config.json"
     try:
@@ -407,7 +408,7 @@ def load_checkpoint(path: str | Path, target: Any = None, *, name: str | None = 
     if not 0.0 <= cut < 1.0:
         raise JspecError(f"cut must be in [0, 1), got {cut}")
     mod = eagle3 if kind == "eagle3" else dflash
-    d = mod.make(dcfg, params, vocab, target.weights, cut=cut, name=name or str(path))
+    d = mod.make(dcfg, from_flat(kind, params), vocab, target.weights, cut=cut, name=name or str(path))
     repl = {}
     if head is not None:
         repl["head"] = head

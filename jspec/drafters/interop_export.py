@@ -15,7 +15,7 @@ import numpy as np
 
 from jspec.drafters import dflash, eagle3
 from jspec.drafters.st_io import EXTRA_FILE, FORMATS, WEIGHTS_FILE, write_safetensors
-from jspec.drafters.trained import DrafterConfig, check_target, shared_inputs
+from jspec.drafters.trained import DrafterConfig, check_target, draft_head, to_flat
 from jspec.errors import JspecError
 
 
@@ -58,7 +58,7 @@ def export_drafter(drafter: Any, out: str | Path, fmt: str, *, target: Any,
                          f"{type(drafter).__name__}")
     if dtype not in ("float32", "bfloat16"):
         raise JspecError(f"dtype must be float32 or bfloat16, got {dtype!r}")
-    cfg, p = drafter.cfg, drafter.params
+    cfg, p = drafter.cfg, to_flat(drafter.params)
     tc = target.config
     check_target(cfg, tc)
     d, v = cfg.hidden_size, cfg.target_vocab
@@ -69,7 +69,7 @@ def export_drafter(drafter: Any, out: str | Path, fmt: str, *, target: Any,
     full_target_head = (fmt == "dflash" and cfg.draft_vocab == v
                         and np.array_equal(vocab, np.arange(v))
                         and np.array_equal(_np(drafter.head),
-                                           _np(shared_inputs(vocab, target.weights, {})["head"])))
+                                           _np(draft_head(vocab, target.weights))))
     if not full_target_head:
         tensors["lm_head.weight"] = _np(drafter.head)
         tensors.update(_vocab_tensors(vocab, v))

@@ -7,7 +7,9 @@ start of its next `propose`. Both share the target's embedding, and their LM hea
 (tied) head restricted to a draft vocabulary of the most frequent response tokens (`vocab_ids`):
 a draft distribution q is zero outside it, which keeps verification lossless.
 
-Parameters are a flat dict of arrays (a pytree); files are safetensors with the config and the
+Parameters are registered dataclasses (`Eagle3Params`, `DFlashParams`) whose layers are the
+target's `LayerWeights` and whose fields declare their logical sharding axes; files are
+safetensors of the flat names (`to_flat`: "fc", "wq", "l0.wq", ...) with the config and the
 draft vocabulary inside.
 """
 
@@ -24,11 +26,11 @@ import numpy as np
 
 from jspec.drafters.base import Capabilities, ChainDrafter, DraftContext, Proposal
 from jspec.errors import JspecError
+from jspec.models.blocks import Heads, LayerWeights, dense, rms_norm, rope_angles
 from jspec.models.config import ModelConfig
-from jspec.models.llama import matmul, rms_norm, rope
 from jspec.sampling import Sampling, process_logits
+from jspec.sharding import logical
 
-Params = dict[str, jax.Array]
 FEATURE_NORMS = ("rms", "none")
 BLOCK_INPUTS = ("jspec", "tokens")
 
@@ -83,6 +85,10 @@ class DrafterConfig:
             d["rope_scaling"] = tuple(tuple(kv) for kv in d["rope_scaling"])
         return cls(**d)
 
+    @property
+    def heads(self) -> Heads:
+        return Heads(self.num_heads, self.num_kv_heads, self.head_dim, self.rms_eps)
+
     def inv_freq(self) -> np.ndarray:
         hd = self.head_dim
         if self.rope_scaling is not None:  # the target's rule (linear / llama3 scaling)
@@ -92,6 +98,120 @@ class DrafterConfig:
 
 
 FROZEN = ("feat_mean", "feat_std")  # parameters set from data statistics, not trained
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Eagle3Params:
+    """EAGLE-3: fc over the F fused features, input norms, one decoder layer, head norm, VAT
+    head. Flat names: the fields, the layer's without a prefix ("wq")."""
+
+    fc: jax.Array = logical(None, "embed")  # [F*D, D]
+    norm_emb: jax.Array = logical(None)  # f32[D]
+    norm_feat: jax.Array = logical(None)  # f32[D]
+    final_norm: jax.Array = logical(None)  # f32[D]
+    vh_w: jax.Array = logical(None)  # f32[D] verification head (VAT)
+    vh_b: jax.Array = logical(None)  # f32[1]
+    layer: LayerWeights = dataclasses.field(metadata={"flat": ""})  # q/k/v read 2D: [emb; g]
+    feat_mean: jax.Array | None = logical(None, "embed", default=None)  # f32[F, D] (FROZEN)
+    feat_std: jax.Array | None = logical(None, "embed", default=None)  # f32[F, D]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DFlashParams:
+    """DFlash (and each D²SD drafter): fc + norm over the features, MASK / slot embeddings,
+    decoder layers, head norm, VAT head. Flat names: the fields, layer i's as "l{i}.wq"."""
+
+    fc: jax.Array = logical(None, "embed")  # [F*D, D]
+    fc_norm: jax.Array = logical(None)  # f32[D]
+    final_norm: jax.Array = logical(None)  # f32[D]
+    vh_w: jax.Array = logical(None)  # f32[D]
+    vh_b: jax.Array = logical(None)  # f32[1]
+    layers: tuple[LayerWeights, ...] = dataclasses.field(metadata={"flat": "l{i}."})
+    # jspec's block inputs (block_input="jspec"); None for the release's token inputs.
+    mask_emb: jax.Array | None = logical(None, default=None)  # f32[D]
+    slot_emb: jax.Array | None = logical(None, None, default=None)  # f32[γ, D]
+    feat_mean: jax.Array | None = logical(None, "embed", default=None)  # f32[F, D] (FROZEN)
+    feat_std: jax.Array | None = logical(None, "embed", default=None)  # f32[F, D]
+
+
+Params = Eagle3Params | DFlashParams
+PARAMS: dict[str, type] = {"eagle3": Eagle3Params, "dflash": DFlashParams, "d2sd": DFlashParams}
+_LAYER_REQUIRED = ("wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+def to_flat(p: Params) -> dict[str, jax.Array]:
+    """The flat names of `p`'s arrays (files, interop): fields, layers by their prefix."""
+    out: dict[str, jax.Array] = {}
+    for f in dataclasses.fields(p):
+        val = getattr(p, f.name)
+        if "flat" in f.metadata:
+            lws = val if isinstance(val, tuple) else (val,)
+            for i, lw in enumerate(lws):
+                pre = f.metadata["flat"].format(i=i)
+                out.update({pre + g.name: getattr(lw, g.name) for g in dataclasses.fields(lw)
+                            if getattr(lw, g.name) is not None})
+        elif val is not None:
+            out[f.name] = val
+    return out
+
+
+def from_flat(kind: str, flat: dict[str, Any]) -> Params:
+    """`to_flat`'s inverse for a drafter of `kind`; clear errors for missing or unknown names."""
+    cls = PARAMS.get(kind)
+    if cls is None:
+        raise JspecError(f"unknown trained drafter kind {kind!r}; known: {sorted(PARAMS)}")
+    rest = dict(flat)
+
+    def one_layer(pre: str) -> LayerWeights:
+        miss = [n for n in _LAYER_REQUIRED if pre + n not in rest]
+        if miss:
+            raise JspecError(f"{kind} drafter parameters lack {[pre + n for n in miss]}")
+        return LayerWeights(**{g.name: rest.pop(pre + g.name, None)
+                               for g in dataclasses.fields(LayerWeights)})
+
+    kw: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if "flat" in f.metadata:
+            pat = f.metadata["flat"]
+            if "{i}" in pat:
+                n = 0
+                while pat.format(i=n) + "wq" in rest:
+                    n += 1
+                kw[f.name] = tuple(one_layer(pat.format(i=i)) for i in range(n))
+            else:
+                kw[f.name] = one_layer(pat)
+        elif f.name in rest:
+            kw[f.name] = rest.pop(f.name)
+        elif f.default is dataclasses.MISSING:
+            raise JspecError(f"{kind} drafter parameters lack {f.name!r}")
+    if rest:
+        raise JspecError(f"unknown {kind} drafter parameters: {sorted(rest)}")
+    return cls(**kw)
+
+
+def split_frozen(p: Params) -> tuple[Params, dict[str, jax.Array]]:
+    """(the trained parameters: FROZEN fields None, the FROZEN feature statistics)."""
+    return (dataclasses.replace(p, **dict.fromkeys(FROZEN)),
+            {k: getattr(p, k) for k in FROZEN})
+
+
+def with_stats(p: Params, stats: dict[str, jax.Array]) -> Params:
+    """`p` with the FROZEN feature statistics set (`split_frozen`'s inverse)."""
+    return dataclasses.replace(p, **stats)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Frozen:
+    """What drafter training holds fixed: the target's embedding, its LM-head rows of the draft
+    vocabulary, the target -> draft vocabulary map and the feature statistics."""
+
+    embed: jax.Array = logical("vocab", "embed")  # f32[V, D]
+    head: jax.Array = logical("vocab", "embed")  # f32[Vd, D]
+    to_draft: jax.Array = logical(None)  # i32[V]: draft index, -1 outside
+    stats: dict[str, jax.Array] = dataclasses.field(default_factory=dict)  # FROZEN fields
 
 
 def forward_layers(layers: tuple[int, ...]) -> tuple[int, ...]:
@@ -117,76 +237,48 @@ def standardize(p: Params, feats: jax.Array) -> jax.Array:
     context positions adds that constant to every drafted slot (DFlash then stalled at the
     unigram solution: it could not memorise a single batch).
     """
-    return (feats - p["feat_mean"]) / p["feat_std"]
+    return (feats - p.feat_mean) / p.feat_std
 
 
-def dense(x: jax.Array, w: jax.Array) -> jax.Array:
-    """f32[..., F] = x [..., D] @ w [D, F], in w's dtype with float32 accumulation (the target's
-    `matmul`: a one-row bfloat16 product on CPU takes the fast two-row path)."""
-    return matmul("...d,df->...f", x.astype(w.dtype), w)
+def rot(cfg: DrafterConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """RoPE angles (`blocks.rope_angles`) of positions i32[B, T] in the drafter's rule."""
+    return rope_angles(positions, jnp.asarray(cfg.inv_freq(), jnp.float32))
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """GQA attention. q: [B, T, H, hd]; k, v: [B, S, KV, hd]; mask: bool[B, T, S] -> [B, T, H*hd]."""
-    b, t, h, hd = q.shape
-    kv = k.shape[2]
-    qg = q.reshape(b, t, kv, h // kv, hd)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) / np.sqrt(hd)
-    s = jnp.where(mask[:, None, None], s, -1e30)
-    p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bkgts,bskd->btkgd", p, v, preferred_element_type=jnp.float32)
-    return o.reshape(b, t, h * hd)
-
-
-def mlp(p: Params, prefix: str, x: jax.Array, eps: float) -> jax.Array:
-    """x + SwiGLU(RMSNorm(x))."""
-    y = rms_norm(x, p[prefix + "mlp_norm"], eps)
-    a = jax.nn.silu(dense(y, p[prefix + "w_gate"])) * dense(y, p[prefix + "w_up"])
-    return x + dense(a, p[prefix + "w_down"])
-
-
-def qkv(cfg: DrafterConfig, p: Params, prefix: str, x: jax.Array, positions: jax.Array
-        ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """RoPE'd q [B, T, H, hd], k, v [B, T, KV, hd] from (already normed) x: [B, T, Din]
-    (`cfg.qk_norm`: q and k RMS-normalised per head first, params `q_norm`, `k_norm` [hd])."""
-    b, t, _ = x.shape
-    inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
-    q = dense(x, p[prefix + "wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k = dense(x, p[prefix + "wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = dense(x, p[prefix + "wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.qk_norm:
-        q = rms_norm(q, p[prefix + "q_norm"], cfg.rms_eps)
-        k = rms_norm(k, p[prefix + "k_norm"], cfg.rms_eps)
-    return rope(q, positions, inv), rope(k, positions, inv), v
+def heads_first(x: jax.Array) -> jax.Array:
+    """[B, T, KV, hd] -> head-major [B, KV, T, hd] (the layout `blocks.attention` reads)."""
+    return jnp.swapaxes(x, 1, 2)
 
 
 def init_dense(key: jax.Array, d_in: int, d_out: int) -> jax.Array:
     return jax.random.normal(key, (d_in, d_out), jnp.float32) * (1.0 / np.sqrt(d_in))
 
 
-def init_layer(key: jax.Array, cfg: DrafterConfig, prefix: str, d_in: int) -> Params:
-    """One decoder layer whose q/k/v read `d_in` features."""
+def init_layer(key: jax.Array, cfg: DrafterConfig, d_in: int, attn_norm: bool) -> LayerWeights:
+    """One decoder layer whose q/k/v read `d_in` features (`attn_norm`: with its own input
+    norm; EAGLE-3 norms its two inputs itself)."""
     ks = jax.random.split(key, 7)
     d, h, kv, hd, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                        cfg.ffn_size)
-    return {prefix + "wq": init_dense(ks[0], d_in, h * hd),
-            prefix + "wk": init_dense(ks[1], d_in, kv * hd),
-            prefix + "wv": init_dense(ks[2], d_in, kv * hd),
-            prefix + "wo": init_dense(ks[3], h * hd, d) * 0.5,
-            prefix + "mlp_norm": jnp.ones((d,), jnp.float32),
-            prefix + "w_gate": init_dense(ks[4], d, f),
-            prefix + "w_up": init_dense(ks[5], d, f),
-            prefix + "w_down": init_dense(ks[6], f, d) * 0.5}
+    return LayerWeights(attn_norm=jnp.ones((d,), jnp.float32) if attn_norm else None,
+                        wq=init_dense(ks[0], d_in, h * hd),
+                        wk=init_dense(ks[1], d_in, kv * hd),
+                        wv=init_dense(ks[2], d_in, kv * hd),
+                        wo=init_dense(ks[3], h * hd, d) * 0.5,
+                        mlp_norm=jnp.ones((d,), jnp.float32),
+                        w_gate=init_dense(ks[4], d, f),
+                        w_up=init_dense(ks[5], d, f),
+                        w_down=init_dense(ks[6], f, d) * 0.5)
 
 
 def draft_logits(cfg: DrafterConfig, p: Params, head: jax.Array, h: jax.Array) -> jax.Array:
     """f32[..., Vd] draft-vocabulary logits from drafter hidden states [..., D]."""
-    return dense(rms_norm(h, p["final_norm"], cfg.rms_eps), head.T)
+    return dense(rms_norm(h, p.final_norm, cfg.rms_eps), head.T)
 
 
 def verify_head(p: Params, h: jax.Array) -> jax.Array:
     """VAT verification head: f32[...] logit of v̂ (sigmoid -> probability of acceptance)."""
-    return dense(h, p["vh_w"][:, None])[..., 0] + p["vh_b"][0]
+    return dense(h, p.vh_w[:, None])[..., 0] + p.vh_b[0]
 
 
 def choose(logits_d: jax.Array, vocab_ids: jax.Array, v: int, sampling: Sampling,
@@ -286,7 +378,7 @@ def save_drafter(path: str | Path, cfg: DrafterConfig, params: Params, vocab_ids
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     out = {"vocab_ids": np.asarray(vocab_ids, np.int32)}
-    for k, v in params.items():
+    for k, v in to_flat(params).items():
         a = np.asarray(jnp.asarray(v, jnp.float32))
         if dtype == "bfloat16":  # stored as raw bits (numpy has no bfloat16)
             out["bf16." + k] = np.asarray(jnp.asarray(a, jnp.bfloat16)).view(np.uint16)
@@ -323,11 +415,36 @@ def load_drafter_file(path: str | Path) -> tuple[DrafterConfig, Params, np.ndarr
         raise JspecError(f"cannot read drafter file {path}: {e}") from e
     if vocab is None:
         raise JspecError(f"{path} has no vocab_ids")
-    return cfg, params, vocab
+    try:
+        return cfg, from_flat(cfg.kind, params), vocab
+    except JspecError as e:
+        raise JspecError(f"{path}: {e}") from e
 
 
-# The drafter parameters `dense` multiplies by (in every layer: "l0.wq", ...).
+# The drafter parameters `dense` multiplies by (fields of the params and of their layers).
 MATRICES = frozenset({"fc", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"})
+
+
+def cast_matrices(p: Any, dtype: Any) -> Any:
+    """`p` (params or a layer) with its MATRICES fields in `dtype`, everything else as is."""
+    kw = {}
+    for f in dataclasses.fields(p):
+        val = getattr(p, f.name)
+        if f.name in MATRICES and val is not None:
+            kw[f.name] = val.astype(dtype)
+        elif isinstance(val, LayerWeights):
+            kw[f.name] = cast_matrices(val, dtype)
+        elif isinstance(val, tuple):
+            kw[f.name] = tuple(cast_matrices(lw, dtype) for lw in val)
+    return dataclasses.replace(p, **kw)
+
+
+def draft_head(vocab_ids: Any, target_weights: Any) -> jax.Array:
+    """The target's LM-head rows of the draft vocabulary [Vd, D], in the target's dtype."""
+    vocab = jnp.asarray(np.asarray(vocab_ids), jnp.int32)
+    embed = target_weights.embed
+    return (jnp.take(embed, vocab, axis=0) if target_weights.lm_head is None
+            else target_weights.lm_head.T[vocab]).astype(embed.dtype)
 
 
 def shared_inputs(vocab_ids: Any, target_weights: Any, params: Params) -> dict[str, Any]:
@@ -336,17 +453,14 @@ def shared_inputs(vocab_ids: Any, target_weights: Any, params: Params) -> dict[s
     with its matrices in the target's dtype (trained in float32; a bfloat16 target drafts
     with bfloat16 matmuls, float32 accumulation; norms, biases and feature statistics stay
     float32)."""
-    vocab = jnp.asarray(np.asarray(vocab_ids), jnp.int32)
     embed = target_weights.embed
-    head = (jnp.take(embed, vocab, axis=0) if target_weights.lm_head is None
-            else target_weights.lm_head.T[vocab]).astype(embed.dtype)
-    cast = {k: v.astype(embed.dtype) if k.rsplit(".", 1)[-1] in MATRICES else v
-            for k, v in params.items()}
-    return {"embed": embed, "head": head, "vocab_ids": vocab, "params": cast}
+    return {"embed": embed, "head": draft_head(vocab_ids, target_weights),
+            "vocab_ids": jnp.asarray(np.asarray(vocab_ids), jnp.int32),
+            "params": cast_matrices(params, embed.dtype)}
 
 
 def param_count(params: Params) -> int:
-    return int(sum(np.prod(v.shape) for v in params.values()))
+    return int(sum(np.prod(v.shape) for v in jax.tree.leaves(params)))
 
 
 def check_target(cfg: DrafterConfig, target_config: Any) -> None:

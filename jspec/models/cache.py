@@ -8,6 +8,9 @@ import jax
 import jax.numpy as jnp
 
 from jspec.models.config import ModelConfig
+from jspec.sharding import logical
+
+KV_AXES = ("batch", "kv_heads", "seq", "head_dim")  # every K/V buffer: dtype[B, KV, S, hd]
 
 # Verify widths (K + 1, tree nodes) stay on the select path; a prefill takes the scatter.
 MAX_SELECT_TOKENS = 16
@@ -57,9 +60,9 @@ class KVCache:
     forward pass may write (drafted tokens under verification) and a later commit may keep.
     """
 
-    k: tuple[jax.Array, ...]  # L x dtype[B, KV, S, hd] (head-major: see `create`)
-    v: tuple[jax.Array, ...]  # L x dtype[B, KV, S, hd]
-    lengths: jax.Array  # i32[B] committed slots per row
+    k: tuple[jax.Array, ...] = logical(*KV_AXES)  # L x dtype[B, KV, S, hd] (head-major)
+    v: tuple[jax.Array, ...] = logical(*KV_AXES)  # L x dtype[B, KV, S, hd]
+    lengths: jax.Array = logical("batch")  # i32[B] committed slots per row
 
     @property
     def capacity(self) -> int:

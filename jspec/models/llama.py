@@ -8,20 +8,25 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.models.cache import KVCache, write_slots
+from jspec.models.blocks import (
+    Attend,
+    Heads,
+    LayerWeights,
+    layer,
+    matmul,
+    rms_norm,
+    rope_angles,
+)
+from jspec.models.cache import KVCache
 from jspec.models.config import ModelConfig
-from jspec.sharding import shard_kernel
-from pallas_kernels.tree_attention import gpu_kernel_supports, tree_attention
-
-# A large finite negative instead of -inf: a fully masked row then stays finite (no NaN).
-MASK_VALUE = -1e30
+from jspec.sharding import logical
+from pallas_kernels.tree_attention import gpu_kernel_supports
 
 # attention_impl="pallas" runs the tree-attention kernel for steps of at most this many new
 # tokens per row (decode and verification); longer blocks (prefill) take the XLA path: the
@@ -31,37 +36,11 @@ PALLAS_MAX_NEW_TOKENS = 128
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class LayerWeights:
-    """One decoder layer's weights. Matrices are (in, out).
-
-    Each layer owns separate buffers (no stacked [L, ...] arrays): on XLA:CPU a matmul that reads
-    a slice of a stacked weight (what a layer `scan` does) copies it first and runs at about a
-    third of the memory bandwidth of one that reads its own buffer.
-    """
-
-    attn_norm: jax.Array  # f32[D]
-    wq: jax.Array  # dtype[D, H*hd]
-    wk: jax.Array  # dtype[D, KV*hd]
-    wv: jax.Array  # dtype[D, KV*hd]
-    wo: jax.Array  # dtype[H*hd, D]
-    mlp_norm: jax.Array  # f32[D]
-    w_gate: jax.Array  # dtype[D, F]
-    w_up: jax.Array  # dtype[D, F]
-    w_down: jax.Array  # dtype[F, D]
-    bq: jax.Array | None = None  # dtype[H*hd] (Qwen2)
-    bk: jax.Array | None = None  # dtype[KV*hd]
-    bv: jax.Array | None = None  # dtype[KV*hd]
-    q_norm: jax.Array | None = None  # f32[hd] (Qwen3)
-    k_norm: jax.Array | None = None  # f32[hd]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
 class Weights:
-    embed: jax.Array  # dtype[V, D]
-    layers: tuple[LayerWeights, ...]  # one entry per layer
-    final_norm: jax.Array  # f32[D]
-    lm_head: jax.Array | None = None  # dtype[D, V]; None when tied to `embed`
+    embed: jax.Array = logical("vocab", "embed")  # dtype[V, D]
+    layers: tuple[LayerWeights, ...]  # one entry per layer (each declares its own axes)
+    final_norm: jax.Array = logical(None)  # f32[D]
+    lm_head: jax.Array | None = logical("embed", "vocab", default=None)  # dtype[D, V]; None: tied
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,61 +73,6 @@ def tree_ancestors(parents: jax.Array) -> jax.Array:
     return anc
 
 
-def rms_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """x / RMS(x) over the last axis, float32 (how target features are fed to drafters)."""
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm in float32, cast back to x's dtype."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
-
-
-def rope_angles(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(cos, sin) f32[B, T, 1, hd/2] of positions i32[B, T]: computed once per forward and
-    shared by every layer."""
-    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
-    return jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
-
-
-def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate-half RoPE. x: [B, T, N, hd]; positions: i32[B, T]; inv_freq: f32[hd/2]."""
-    return apply_rope(x, *rope_angles(positions, inv_freq))
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE of x [B, T, N, hd] by angles from `rope_angles`."""
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
-
-
-def matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """f32[..., F]: einsum(spec, x [..., D], w) with float32 accumulation.
-
-    XLA:CPU runs a bfloat16 matmul with a single row on a slow path (measured here: ~8x a
-    float32 one, ~9x a two-row bfloat16 one), while two or more rows take its fast bfloat16
-    GEMM (a 2-16 token bfloat16 forward costs ~0.6-0.8x the float32 one;
-    scripts/cpu_matmul_rows.py, docs/BENCHMARKS.md). So a one-row bfloat16 product on CPU is computed
-    as two rows (the second zero) and the first kept: static shapes, no effect elsewhere.
-    """
-    lead = x.shape[:-1]
-    if (math.prod(lead) == 1 and w.dtype == jnp.bfloat16
-            and jax.default_backend() == "cpu"):
-        x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
-        out = jnp.einsum(spec.replace("...", "m"), x2, w, preferred_element_type=jnp.float32)
-        return out[:1].reshape(*lead, out.shape[-1])
-    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
-
-
-def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
-    return matmul("...d,df->...f", x, w).astype(x.dtype)
-
-
 def attention_mask(cache_lengths: jax.Array, num_new: int, capacity: int,
                    mask: Chain | Tree) -> jax.Array:
     """bool[B, T, S]: which cache slots each new token attends to.
@@ -174,85 +98,9 @@ def attention_mask(cache_lengths: jax.Array, num_new: int, capacity: int,
     return committed | (in_new & allowed)
 
 
-def _attention_xla(q: jax.Array, ck: jax.Array, cv: jax.Array, mask: jax.Array,
-                   group: int) -> jax.Array:
-    """dtype[B, T, H, hd]: masked attention of q [B, T, H, hd] over the whole cache buffer.
-
-    ck, cv: dtype[B, KV, S, hd] (head-major), the new tokens already written; mask: bool[B,
-    T, S] from `attention_mask`. The T·G queries of each KV head form one [T·G, hd] matrix, so
-    both products are batched GEMMs over (row, KV head) that read the cache as it lies.
-    """
-    b, t, h, hd = q.shape
-    kv = ck.shape[1]
-    qg = jnp.moveaxis(q.reshape(b, t, kv, group, hd), 1, 2).reshape(b, kv, t * group, hd)
-    scores = jnp.einsum("bkqd,bksd->bkqs", qg, ck, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / np.sqrt(hd))
-    scores = jnp.where(jnp.repeat(mask, group, axis=1)[:, None], scores, MASK_VALUE)  # t*G+g
-    probs = jax.nn.softmax(scores, axis=-1)
-    attn = jnp.einsum("bkqs,bksd->bkqd", probs.astype(cv.dtype), cv,
-                      preferred_element_type=jnp.float32).astype(q.dtype)
-    return jnp.moveaxis(attn.reshape(b, kv, t, group, hd), 2, 1).reshape(b, t, h, hd)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Attend:
-    """How a layer attends: the XLA path's dense mask, or the Pallas kernel's inputs."""
-
-    use_pallas: bool
-    mask: jax.Array | None  # bool[B, T, S] (XLA path)
-    lengths: jax.Array  # i32[B] committed prefix per row (Pallas path)
-    parents: jax.Array | None  # i32[T] | i32[B, T] | None (chain) (Pallas path)
-
-
-def _layer(config: ModelConfig, rot: tuple[jax.Array, jax.Array], x: jax.Array,
-           attend: _Attend, ck: jax.Array, cv: jax.Array,
-           lw: LayerWeights) -> tuple[jax.Array, jax.Array, jax.Array]:
-    b, t, _ = x.shape
-    h, kv, hd = config.num_heads, config.num_kv_heads, config.head_dim
-    g = config.group_size
-    y = rms_norm(x, lw.attn_norm, config.rms_eps)
-    q = _dot(y, lw.wq)
-    k = _dot(y, lw.wk)
-    v = _dot(y, lw.wv)
-    if config.qkv_bias:
-        q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
-    q = q.reshape(b, t, h, hd)
-    k = k.reshape(b, t, kv, hd)
-    v = v.reshape(b, t, kv, hd)
-    if config.qk_norm:
-        q = rms_norm(q, lw.q_norm, config.rms_eps)
-        k = rms_norm(k, lw.k_norm, config.rms_eps)
-    q = apply_rope(q, *rot)
-    k = apply_rope(k, *rot)
-
-    if attend.use_pallas:
-
-        # Cascade form: the committed prefix is read from the cache, the T new tokens from
-        # k/v directly (the new K/V are written after). Under a mesh the kernel runs per
-        # device (shard_map) with specs from the logical-axis rules table.
-        parents = (jnp.arange(t, dtype=jnp.int32) - 1 if attend.parents is None
-                   else jnp.asarray(attend.parents, jnp.int32))
-        parents = jnp.broadcast_to(parents, (b, t))
-        qa, kva = ("batch", None, "heads", None), ("batch", None, "kv_heads", None)
-        cache_a = ("batch", "kv_heads", None, None)
-        attn = shard_kernel(tree_attention,
-                            (qa, cache_a, cache_a, ("batch",), kva, kva, ("batch", None)), qa)(
-            q, ck, cv, attend.lengths, k.astype(ck.dtype), v.astype(cv.dtype), parents)
-        ck = write_slots(ck, k, attend.lengths)  # [B, KV, S, hd]
-        cv = write_slots(cv, v, attend.lengths)
-    else:
-        # The new K/V are written first and attention reads the written buffer: reading the
-        # unwritten one instead (prefix + new tokens apart) measured 1.3-1.4x slower at batch
-        # 16-64 on XLA:CPU (a copy of every cache buffer per step).
-        ck = write_slots(ck, k, attend.lengths)  # [B, KV, S, hd]
-        cv = write_slots(cv, v, attend.lengths)
-        attn = _attention_xla(q, ck, cv, attend.mask, g)
-    x = x + _dot(attn.reshape(b, t, h * hd), lw.wo)
-
-    y = rms_norm(x, lw.mlp_norm, config.rms_eps)
-    act = jax.nn.silu(_dot(y, lw.w_gate).astype(jnp.float32)).astype(x.dtype) * _dot(y, lw.w_up)
-    x = x + _dot(act, lw.w_down)
-    return x, ck, cv
+def heads(config: ModelConfig) -> Heads:
+    """The attention shape of `config`'s layers."""
+    return Heads(config.num_heads, config.num_kv_heads, config.head_dim, config.rms_eps)
 
 
 def lm_logits(config: ModelConfig, weights: Weights, h: jax.Array) -> jax.Array:
@@ -305,7 +153,7 @@ def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions:
         # "auto" on a GPU: the Mosaic GPU kernel where it applies, XLA elsewhere (an explicit
         # "pallas" outside the kernel's limits raises its clear error instead).
         use_pallas = gpu_kernel_supports(t, config.head_dim, cache.capacity, config.jnp_dtype)
-    attend = _Attend(
+    at = Attend(
         use_pallas=use_pallas,
         mask=None if use_pallas else attention_mask(cache.lengths, t, cache.capacity, mask),
         lengths=cache.lengths,
@@ -318,11 +166,12 @@ def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions:
         raise ValueError(f"cache has {len(cache.k)} layers, the forward runs {n_layers}")
 
     # A Python loop (unrolled at trace time) over per-layer buffers: see LayerWeights.
+    hs = heads(config)
     states = [x]
     new_k, new_v = list(cache.k), list(cache.v)
     for i, lw in enumerate(weights.layers[:n_layers]):
         with jax.named_scope(f"layer_{i}"):
-            x, new_k[i], new_v[i] = _layer(config, rot, x, attend, new_k[i], new_v[i], lw)
+            x, new_k[i], new_v[i] = layer(hs, lw, x, rot, at, new_k[i], new_v[i])
         if want:
             states.append(x)
     hidden = jnp.stack([states[i] for i in want]) if want else None

@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.errors import ModelLoadError
+from jspec.models.blocks import LayerWeights
 from jspec.models.config import SUPPORTED_ARCHS, ModelConfig
-from jspec.models.llama import LayerWeights, Weights
+from jspec.models.llama import Weights
 
 # GGUF tensor name suffix -> HF name suffix (per layer).
 _GGUF_LAYER_NAMES = {

@@ -1,0 +1,249 @@
+"""Transformer building blocks shared by the target and every trained drafter.
+
+RMSNorm, RoPE, the projections (`dense`), one decoder layer's weights (`LayerWeights`, whose
+fields declare their logical sharding axes), q/k/v, masked GQA attention with its XLA / Pallas
+switch (`attend`), and the SwiGLU MLP. `jspec.models.llama` builds the target from them,
+`jspec.drafters` (EAGLE-3, DFlash, D²SD) build their layers from them: a layer of either is
+the same code on the same weights type, so both get the Pallas attention and the sharding
+rules by construction.
+
+Key/value buffers are head-major, dtype[B, KV, S, hd] (the KV cache's layout; see
+`jspec.models.cache`), everywhere: the target's cache, the drafters' own caches and training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.models.cache import write_slots
+from jspec.sharding import logical, shard_kernel
+from pallas_kernels.tree_attention import tree_attention
+
+# A large finite negative instead of -inf: a fully masked row then stays finite (no NaN).
+MASK_VALUE = -1e30
+
+
+# ----------------------------------------------------------------------------- norms, RoPE
+def rms_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """x / RMS(x) over the last axis, float32 (how target features are fed to drafters)."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in float32, cast back to x's dtype."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_angles(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) f32[B, T, 1, hd/2] of positions i32[B, T]: computed once per forward and
+    shared by every layer."""
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
+    return jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate-half RoPE. x: [B, T, N, hd]; positions: i32[B, T]; inv_freq: f32[hd/2]."""
+    return apply_rope(x, *rope_angles(positions, inv_freq))
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE of x [B, T, N, hd] by angles from `rope_angles`."""
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- projections
+def matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """f32[..., F]: einsum(spec, x [..., D], w) with float32 accumulation.
+
+    XLA:CPU runs a bfloat16 matmul with a single row on a slow path (measured here: ~8x a
+    float32 one, ~9x a two-row bfloat16 one), while two or more rows take its fast bfloat16
+    GEMM (a 2-16 token bfloat16 forward costs ~0.6-0.8x the float32 one;
+    scripts/cpu_matmul_rows.py, docs/BENCHMARKS.md). So a one-row bfloat16 product on CPU is computed
+    as two rows (the second zero) and the first kept: static shapes, no effect elsewhere.
+    """
+    lead = x.shape[:-1]
+    if (math.prod(lead) == 1 and w.dtype == jnp.bfloat16
+            and jax.default_backend() == "cpu"):
+        x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
+        out = jnp.einsum(spec.replace("...", "m"), x2, w, preferred_element_type=jnp.float32)
+        return out[:1].reshape(*lead, out.shape[-1])
+    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+
+
+def dense(x: jax.Array, w: jax.Array) -> jax.Array:
+    """f32[..., F] = x [..., D] @ w [D, F], in w's dtype with float32 accumulation."""
+    return matmul("...d,df->...f", x.astype(w.dtype), w)
+
+
+# ----------------------------------------------------------------------------- one layer
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerWeights:
+    """One decoder layer's weights (the target's and a trained drafter's). Matrices are
+    (in, out); each field declares its logical axes (`jspec.sharding.RULES`).
+
+    Each layer owns separate buffers (no stacked [L, ...] arrays): on XLA:CPU a matmul that reads
+    a slice of a stacked weight (what a layer `scan` does) copies it first and runs at about a
+    third of the memory bandwidth of one that reads its own buffer.
+    """
+
+    attn_norm: jax.Array | None = logical(None)  # f32[D]; None: the input is normed already
+    wq: jax.Array = logical("embed", "heads")  # dtype[Din, H*hd]
+    wk: jax.Array = logical("embed", "kv_heads")  # dtype[Din, KV*hd]
+    wv: jax.Array = logical("embed", "kv_heads")  # dtype[Din, KV*hd]
+    wo: jax.Array = logical("heads", "embed")  # dtype[H*hd, D]
+    mlp_norm: jax.Array = logical(None)  # f32[D]
+    w_gate: jax.Array = logical("embed", "mlp")  # dtype[D, F]
+    w_up: jax.Array = logical("embed", "mlp")  # dtype[D, F]
+    w_down: jax.Array = logical("mlp", "embed")  # dtype[F, D]
+    bq: jax.Array | None = logical("heads", default=None)  # dtype[H*hd] (Qwen2)
+    bk: jax.Array | None = logical("kv_heads", default=None)  # dtype[KV*hd]
+    bv: jax.Array | None = logical("kv_heads", default=None)  # dtype[KV*hd]
+    q_norm: jax.Array | None = logical(None, default=None)  # f32[hd] (Qwen3, DFlash release)
+    k_norm: jax.Array | None = logical(None, default=None)  # f32[hd]
+
+
+@dataclasses.dataclass(frozen=True)
+class Heads:
+    """Static attention shape: query heads, KV heads, head size, RMSNorm epsilon."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def qkv(hs: Heads, lw: LayerWeights, y: jax.Array, rot: tuple[jax.Array, jax.Array]
+        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """RoPE'd q [B, T, H, hd], k, v [B, T, KV, hd] (y's dtype) from normed y [B, T, Din]:
+    the projections, their biases (when `lw.bq` is set), per-head q/k RMSNorm (when
+    `lw.q_norm` is set), then RoPE by `rot` (`rope_angles`)."""
+    b, t, _ = y.shape
+    q = dense(y, lw.wq).astype(y.dtype)
+    k = dense(y, lw.wk).astype(y.dtype)
+    v = dense(y, lw.wv).astype(y.dtype)
+    if lw.bq is not None:
+        q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
+    q = q.reshape(b, t, hs.num_heads, hs.head_dim)
+    k = k.reshape(b, t, hs.num_kv_heads, hs.head_dim)
+    v = v.reshape(b, t, hs.num_kv_heads, hs.head_dim)
+    if lw.q_norm is not None:
+        q = rms_norm(q, lw.q_norm, hs.eps)
+        k = rms_norm(k, lw.k_norm, hs.eps)
+    return apply_rope(q, *rot), apply_rope(k, *rot), v
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+              own: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    """q's dtype[B, T, H, hd]: masked GQA attention of q [B, T, H, hd] over head-major keys
+    and values k, v [B, KV, S, hd]; mask: bool[B, T, S].
+
+    `own` (EAGLE-3's training-time test): per-query keys and values [B, T, E, KV, hd] that
+    query t attends to besides k, v (always visible), in the same softmax.
+
+    The T·G queries of each KV head form one [T·G, hd] matrix, so both products are batched
+    GEMMs over (row, KV head) that read the buffers as they lie.
+    """
+    b, t, h, hd = q.shape
+    kv = k.shape[1]
+    g = h // kv
+    s = k.shape[2]
+    qg = jnp.moveaxis(q.reshape(b, t, kv, g, hd), 1, 2).reshape(b, kv, t * g, hd)
+    scores = jnp.einsum("bkqd,bksd->bkqs", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / np.sqrt(hd))
+    scores = jnp.where(jnp.repeat(mask, g, axis=1)[:, None], scores, MASK_VALUE)  # t*G+g
+    if own is not None:
+        # [B, T, E, KV, hd] -> [B, KV, T*G, E, hd] (query t*G+g reads its row t)
+        ok, ov = (jnp.repeat(jnp.moveaxis(a, (1, 2), (2, 3)), g, axis=2) for a in own)
+        so = jnp.einsum("bkqd,bkqed->bkqe", qg, ok, preferred_element_type=jnp.float32)
+        scores = jnp.concatenate([scores, so * (1.0 / np.sqrt(hd))], axis=-1)
+    probs = jax.nn.softmax(scores, axis=-1)
+    attn = jnp.einsum("bkqs,bksd->bkqd", probs[..., :s].astype(v.dtype), v,
+                      preferred_element_type=jnp.float32)
+    if own is not None:
+        attn = attn + jnp.einsum("bkqe,bkqed->bkqd", probs[..., s:].astype(ov.dtype), ov,
+                                 preferred_element_type=jnp.float32)
+    return jnp.moveaxis(attn.astype(q.dtype).reshape(b, kv, t, g, hd), 2, 1).reshape(b, t, h, hd)
+
+
+@dataclasses.dataclass(frozen=True)
+class Attend:
+    """How a layer attends to a cache: the XLA path's dense mask, or the Pallas kernel's inputs.
+
+    The new tokens of row b sit at slots lengths[b] + t. XLA: `mask` bool[B, T, S] (from
+    `jspec.models.llama.attention_mask`). Pallas: the committed prefix (< lengths) plus the
+    new tokens under the chain (parents None) or tree (`parents` i32[T] | i32[B, T]) mask.
+    """
+
+    use_pallas: bool
+    mask: jax.Array | None  # bool[B, T, S] (XLA path)
+    lengths: jax.Array  # i32[B] committed prefix per row
+    parents: jax.Array | None = None  # i32[T] | i32[B, T] | None (chain) (Pallas path)
+
+
+def attend(at: Attend, q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array,
+           cv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Write the new k, v [B, T, KV, hd] at slots lengths + t of the cache buffers ck, cv
+    dtype[B, KV, S, hd] and attend to it: (attn q's dtype[B, T, H, hd], ck, cv)."""
+    b, t = q.shape[:2]
+    if at.use_pallas:
+        # Cascade form: the committed prefix is read from the cache, the T new tokens from
+        # k/v directly (the new K/V are written after). Under a mesh the kernel runs per
+        # device (shard_map) with specs from the logical-axis rules table.
+        parents = (jnp.arange(t, dtype=jnp.int32) - 1 if at.parents is None
+                   else jnp.asarray(at.parents, jnp.int32))
+        parents = jnp.broadcast_to(parents, (b, t))
+        qa, kva = ("batch", None, "heads", None), ("batch", None, "kv_heads", None)
+        cache_a = ("batch", "kv_heads", None, None)
+        attn = shard_kernel(tree_attention,
+                            (qa, cache_a, cache_a, ("batch",), kva, kva, ("batch", None)), qa)(
+            q, ck, cv, at.lengths, k.astype(ck.dtype), v.astype(cv.dtype), parents)
+        return attn, write_slots(ck, k, at.lengths), write_slots(cv, v, at.lengths)
+    # The new K/V are written first and attention reads the written buffer: reading the
+    # unwritten one instead (prefix + new tokens apart) measured 1.3-1.4x slower at batch
+    # 16-64 on XLA:CPU (a copy of every cache buffer per step).
+    ck = write_slots(ck, k, at.lengths)  # [B, KV, S, hd]
+    cv = write_slots(cv, v, at.lengths)
+    return attention(q, ck, cv, at.mask), ck, cv
+
+
+def mlp(lw: LayerWeights, x: jax.Array, eps: float) -> jax.Array:
+    """x + SwiGLU(RMSNorm(x)) in x's dtype (products accumulated in float32)."""
+    y = rms_norm(x, lw.mlp_norm, eps)
+    gate = dense(y, lw.w_gate).astype(x.dtype)
+    act = jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * dense(y, lw.w_up).astype(
+        x.dtype)
+    return x + dense(act, lw.w_down).astype(x.dtype)
+
+
+def layer(hs: Heads, lw: LayerWeights, x: jax.Array, rot: tuple[jax.Array, jax.Array],
+          at: Attend, ck: jax.Array, cv: jax.Array, *, y: jax.Array | None = None,
+          residual: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One pre-norm decoder layer over a cache: (x', ck, cv).
+
+    x: [B, T, D]; q/k/v read `y` (default RMSNorm(x) by `lw.attn_norm`); the attention output
+    is added to `residual` (default x), then the MLP block.
+    """
+    b, t, _ = x.shape
+    if y is None:
+        y = rms_norm(x, lw.attn_norm, hs.eps)
+    q, k, v = qkv(hs, lw, y, rot)
+    attn, ck, cv = attend(at, q, k, v, ck, cv)
+    x = (x if residual is None else residual) + dense(
+        attn.reshape(b, t, hs.num_heads * hs.head_dim), lw.wo).astype(x.dtype)
+    return mlp(lw, x, hs.eps), ck, cv
