@@ -1,5 +1,6 @@
 """Before/after check of a refactor: autoregressive and EAGLE-3 K = 3 decoding, public API only
 (so it runs on any checkout: `PYTHONPATH=/path/to/other/checkout python scripts/ab_round.py`).
+`scripts/spec_speed.py` times the same two modes on 8 prompts without the first calls.
 
 python scripts/ab_round.py DTYPE [PROMPTS]   (default humaneval:4, batch 1, 96 new tokens,
 greedy). Prints one JSON line: per mode the first call (compile + run, s) and the median

@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +62,73 @@ from train.data import (
 from train.loop import Loop, finish_checkpoints, optimizer, plot_log, run_loop  # noqa: F401
 
 
+def _eagle3_hidden(cfg: DrafterConfig, p: Params, embed: jax.Array, tokens: jax.Array,
+                   feats: jax.Array, start: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Training-time test from every position; kept at the sampled chain starts s: hidden
+    states f32[B, N, K, D] and the positions i32[B, N, K] they predict (step j: s + j + 1)."""
+    steps = cfg.block
+    hs = eagle3.train_forward(cfg, p, embed, tokens, feats, steps)
+    hsel = jnp.stack([jnp.take_along_axis(h, start[..., None], axis=1) for h in hs], 2)
+    return hsel, start[..., None] + jnp.arange(2, steps + 2)[None, None]
+
+
+def _dflash_hidden(cfg: DrafterConfig, p: Params, embed: jax.Array, tokens: jax.Array,
+                   feats: jax.Array, anchors: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Blocks at the sampled anchors a: hidden states f32[B, M, γ-1, D] (block slot k
+    predicts token a + k) and those positions i32[B, M, γ-1]."""
+    gamma = cfg.block
+    h = dflash.train_forward(cfg, p, embed, tokens, feats, anchors, gamma)
+    return h[:, :, 1:], anchors[..., None] + jnp.arange(1, gamma)[None, None]
+
+
+def _eagle3_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ttt-steps", type=int, default=3,
+                   help="training-time-test steps (unrolled on own predictions)")
+    p.add_argument("--positions", type=int, default=128,
+                   help="chain starts sampled per sequence per step")
+
+
+def _dflash_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layers", type=int, default=2, help="drafter layers")
+    p.add_argument("--block", type=int, default=8, help="block size γ (anchor + γ-1)")
+    p.add_argument("--anchors", type=int, default=48,
+                   help="anchors (blocks) sampled per sequence per step")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """What differs between training the trained drafters; the loop, losses, data, eval and
+    checkpointing are one code path for all (`RECIPES[kind]`)."""
+
+    init_params: Callable[[DrafterConfig, jax.Array], Params]
+    hidden: Callable[..., tuple[jax.Array, jax.Array]]  # (cfg, p, embed, tokens, feats, pos)
+    decay: Callable[[jax.Array], jax.Array]  # loss weight by 0-based draft index
+    window: tuple[int, int]  # sample_positions' (lo, hi): where positions may sit
+    count: str  # the argument giving positions sampled per sequence
+    shape: Callable[[argparse.Namespace, tuple[int, ...]], dict[str, Any]]  # config fields
+    add_args: Callable[[argparse.ArgumentParser], None]
+    ffn: int  # default MLP width
+
+
+RECIPES: dict[str, Recipe] = {
+    # Chain starts s >= plen - 2 (step 1 predicts s + 2 >= plen); weights 0.8^k.
+    "eagle3": Recipe(eagle3.init_params, _eagle3_hidden, lambda k0: 0.8 ** k0, (-2, 3),
+                     "positions",
+                     lambda a, rec: {"num_layers": 1, "feature_layers": eagle_layers(rec),
+                                     "block": a.ttt_steps},
+                     _eagle3_args, 1536),
+    # Anchors a >= plen (the first generated token) with a + 1 < len; weights exp(-k/7).
+    "dflash": Recipe(dflash.init_params, _dflash_hidden, lambda k0: jnp.exp(-k0 / 7.0), (0, 2),
+                     "anchors",
+                     lambda a, rec: {"num_layers": a.layers, "feature_layers": rec,
+                                     "block": a.block},
+                     _dflash_args, 1024),
+}
+
+
 def base_weight(kind: str, k0: jax.Array) -> jax.Array:
     """Position weights by 0-based draft index: 0.8^k (EAGLE-3), exp(-k/7) (DFlash)."""
-    return 0.8 ** k0 if kind == "eagle3" else jnp.exp(-k0 / 7.0)
+    return RECIPES[kind].decay(k0)
 
 
 def block_loss(kind: str, logits: jax.Array, t_logits: jax.Array, hard: jax.Array,
@@ -114,18 +179,7 @@ def forward_blocks(kind: str, cfg: DrafterConfig, params: Params, frozen: Frozen
     head, to_draft = frozen.head, frozen.to_draft
     params = with_stats(params, frozen.stats)
     s = tokens.shape[1]
-    if kind == "eagle3":
-        steps = cfg.block
-        hs = eagle3.train_forward(cfg, params, frozen.embed, tokens, feats, steps)
-        start = batch["pos"]  # [B, N] chain starts s: step j predicts token s + j + 1
-        hsel = jnp.stack([jnp.take_along_axis(h, start[..., None], axis=1) for h in hs], 2)
-        tpos = start[..., None] + jnp.arange(2, steps + 2)[None, None]  # [B, N, K]
-    else:
-        gamma = cfg.block
-        anchors = batch["pos"]  # [B, M]
-        h = dflash.train_forward(cfg, params, frozen.embed, tokens, feats, anchors, gamma)
-        hsel = h[:, :, 1:]  # [B, M, γ-1, D]; block slot k predicts token anchor + k
-        tpos = anchors[..., None] + jnp.arange(1, gamma)[None, None]
+    hsel, tpos = RECIPES[kind].hidden(cfg, params, frozen.embed, tokens, feats, batch["pos"])
     valid = batch["valid"][..., None] & (tpos < lens[:, None, None])
     tpc = jnp.minimum(tpos, s - 1)
     b, n, kk = tpc.shape
@@ -213,15 +267,19 @@ def eval_step(params: Params, frozen: Frozen, batch: dict[str, jax.Array], *,
 def drafter_config(args: argparse.Namespace, target_config: Any,
                    recorded: tuple[int, ...]) -> DrafterConfig:
     c = target_config
-    eagle = args.kind == "eagle3"
-    layers = eagle_layers(recorded) if eagle else recorded
     return DrafterConfig(
         kind=args.kind, hidden_size=c.hidden_size, num_heads=c.num_heads,
         num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, ffn_size=args.ffn,
-        num_layers=1 if eagle else args.layers, feature_layers=layers,
         draft_vocab=args.draft_vocab, target_vocab=c.vocab_size, rope_theta=c.rope_theta,
-        rms_eps=c.rms_eps, block=args.ttt_steps if eagle else args.block, target=args.model,
-        vat=bool(args.vat or args.vat_head))
+        rms_eps=c.rms_eps, target=args.model, vat=bool(args.vat or args.vat_head),
+        **RECIPES[args.kind].shape(args, recorded))
+
+
+def positions(args: argparse.Namespace, kind: str, rng: np.random.Generator, lens: np.ndarray,
+              plens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(pos i32[B, N], valid bool[B, N]): the chain starts / anchors of a batch's rows."""
+    r = RECIPES[kind]
+    return sample_positions(rng, lens, plens, getattr(args, r.count), *r.window)
 
 
 def plan_entry(args: argparse.Namespace, plan: list, step: int) -> tuple[int, int, int, list[int]]:
@@ -246,10 +304,7 @@ def batch_for_step(args: argparse.Namespace, rows: Rows, plan: list, step: int,
     lens = np.asarray([min(len(rows.tokens[r]), seq) for r in idx], np.int32)
     plens = np.asarray([p for _, p in kept], np.int32)
     rng = np.random.default_rng([args.seed, epoch, i, 1])
-    if cfg.kind == "eagle3":  # chain starts s >= plen - 2 (step 1 predicts s + 2 >= plen)
-        pos, valid = sample_positions(rng, lens, plens, args.positions, -2, 3)
-    else:  # anchors a >= plen (the first generated token) with a + 1 < len
-        pos, valid = sample_positions(rng, lens, plens, args.anchors, 0, 2)
+    pos, valid = positions(args, cfg.kind, rng, lens, plens)
     part = np.arange(len(idx)) if part is None else np.asarray(part)
     b = make_batch(rows, [idx[j] for j in part], seq, feat_idx)
     b["pos"], b["valid"] = pos[part], valid[part]
@@ -275,12 +330,7 @@ def evaluate(args, rows, plan, feat_idx, cfg, params, frozen, mesh=None) -> dict
         seq, idx = plan[j]
         b = make_batch(rows, idx, seq, feat_idx)
         rng = np.random.default_rng([args.seed, 10**6 + j])
-        if cfg.kind == "eagle3":
-            b["pos"], b["valid"] = sample_positions(rng, b["lens"], b["plens"], args.positions,
-                                                    -2, 3)
-        else:
-            b["pos"], b["valid"] = sample_positions(rng, b["lens"], b["plens"], args.anchors, 0,
-                                                    2)
+        b["pos"], b["valid"] = positions(args, cfg.kind, rng, b["lens"], b["plens"])
         m = eval_step(params, frozen, _to_device(mesh, b), kind=cfg.kind, cfg=cfg)
         for k, v in m.items():
             acc.setdefault(k, []).append(float(v))
@@ -338,10 +388,9 @@ def run(args: argparse.Namespace) -> int:
           f"{coverage(rows, vocab):.1%} of training / {coverage(held, vocab):.1%} of held-out "
           "response tokens", flush=True)
 
-    mod = eagle3 if cfg.kind == "eagle3" else dflash
     stats = feature_stats(rows, feat_idx, args.seed)
     frozen = Frozen(embed=embed, head=head, to_draft=jnp.asarray(to_draft), stats=stats)
-    params, _ = split_frozen(mod.init_params(cfg, jax.random.key(args.seed)))
+    params, _ = split_frozen(RECIPES[cfg.kind].init_params(cfg, jax.random.key(args.seed)))
     # The LM head is the target's: start from a fifth of the target's final norm, so that the
     # first logits are near-uniform in the target's geometry (the target's full scale on random
     # hidden states starts at ~20 nats of cross-entropy instead of ~8).
@@ -403,18 +452,8 @@ def add_parsers(sub: Any) -> None:
                        help="padded sequence lengths (longer rows keep their last tokens)")
         p.add_argument("--draft-vocab", type=int, default=4096,
                        help="draft vocabulary: the most frequent response tokens")
-        p.add_argument("--ffn", type=int, default=1536 if kind == "eagle3" else 1024,
-                       help="drafter MLP width")
-        if kind == "eagle3":
-            p.add_argument("--ttt-steps", type=int, default=3,
-                           help="training-time-test steps (unrolled on own predictions)")
-            p.add_argument("--positions", type=int, default=128,
-                           help="chain starts sampled per sequence per step")
-        else:
-            p.add_argument("--layers", type=int, default=2, help="drafter layers")
-            p.add_argument("--block", type=int, default=8, help="block size γ (anchor + γ-1)")
-            p.add_argument("--anchors", type=int, default=48,
-                           help="anchors (blocks) sampled per sequence per step")
+        p.add_argument("--ffn", type=int, default=RECIPES[kind].ffn, help="drafter MLP width")
+        RECIPES[kind].add_args(p)
         p.add_argument("--vat", action="store_true",
                        help="verification-aware training: head + adaptive weighting")
         p.add_argument("--vat-head", action="store_true", help="VAT verification head only")
