@@ -5,23 +5,19 @@ from __future__ import annotations
 import argparse
 import sys
 
+from train import d2sd, datagen, diversed, drafters, export, featurize, magpie
+
 
 def main(argv: list[str] | None = None) -> int:
-    from train import datagen, featurize, magpie  # noqa: PLC0415
-
     parser = argparse.ArgumentParser(prog="python -m train", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     datagen.add_parser(sub)
     featurize.add_parser(sub)
     magpie.add_parser(sub)
-    try:
-        from train import d2sd, diversed, drafters, export  # noqa: PLC0415
-        drafters.add_parsers(sub)
-        d2sd.add_parser(sub)
-        diversed.add_parser(sub)
-        export.add_parser(sub)
-    except ImportError:
-        pass
+    drafters.add_parsers(sub)
+    d2sd.add_parser(sub)
+    diversed.add_parser(sub)
+    export.add_parser(sub)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib.util
 import json
 import os
 import time
@@ -347,8 +348,6 @@ def _decoder(args: argparse.Namespace, model: Any, layers: tuple[int, ...],
         backend = "jax"
     if backend == "jax":
         return jax_decode
-    import importlib.util  # noqa: PLC0415
-
     if backend == "auto" and not importlib.util.find_spec("torch"):
         print("datagen: backend jax (torch is not installed)", flush=True)
         return jax_decode

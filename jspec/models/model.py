@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from jspec.errors import JspecError, ModelLoadError
+from jspec.models import loading, registry
 from jspec.models.config import ModelConfig
 from jspec.models.llama import Weights, cast_weights
 
@@ -98,8 +99,6 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: str = "float32") -> Mo
     Returns:
       Model with config, weights and tokenizer.
     """
-    from jspec.models import loading, registry  # noqa: PLC0415
-
     name = str(name_or_path)
     path = Path(name).expanduser()
     if name in registry.REGISTRY:

@@ -14,6 +14,7 @@ import zipfile
 from pathlib import Path
 
 from jspec.errors import ModelLoadError
+from jspec.models.loading import read_gguf, write_hf_dir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +103,6 @@ def fetch_gguf(entry: RegistryEntry, *, quiet: bool = False) -> Path:
 
 def converted_dir(entry: RegistryEntry) -> Path:
     """An HF directory with the dequantised float32 weights, converted once from the GGUF."""
-    from jspec.models.loading import read_gguf, write_hf_dir  # noqa: PLC0415
-
     out = cache_dir() / "models" / entry.name
     marker = out / ".jspec-converted"
     if marker.is_file() and marker.read_text().strip() == entry.gguf_sha256:
