@@ -152,6 +152,23 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
       GenerateOutput: tokens i32[B, max_new_tokens] (-1 after each row's end), lengths i32[B],
       stats. Under a mesh, arrays are sharded over `data` by row.
     """
+    statics, args = _prepare(model, prompt_ids, prompt_lengths, attention_mask, padding_side,
+                             drafter, max_new_tokens, sampling, verifier, length, key, capacity,
+                             attention_impl, mesh)
+    with sharding.using(statics["mesh"]):
+        if statics["mesh"] is None and not isinstance(args[3], jax.core.Tracer):
+            _check_memory(*args, statics)
+        return _generate(*args, **statics)
+
+
+def _prepare(model: Model, prompt_ids: Any, prompt_lengths: Any, attention_mask: Any,
+             padding_side: str, drafter: Any, max_new_tokens: int, sampling: Sampling,
+             verifier: Any, length: Any, key: jax.Array | None, capacity: int | None,
+             attention_impl: str | None, mesh: Mesh | None
+             ) -> tuple[dict[str, Any], tuple[Any, ...]]:
+    """What `generate` and `stream` share: validate the inputs, choose plain decoding where it
+    is faster, fix the static arguments, place the inputs on the mesh. Returns the statics and
+    (weights, drafter, verifier, ids, lengths, key)."""
     if not isinstance(sampling, Sampling):
         raise JspecError(f"sampling must be a jspec.Sampling, got {type(sampling).__name__}")
     if attention_impl is not None:
@@ -166,11 +183,8 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
                        mesh)
     verifier = statics.pop("verifier")
     with sharding.using(statics["mesh"]):
-        weights, drafter, verifier, ids, lengths, key = _place_inputs(
-            statics["mesh"], model, drafter, verifier, ids, lengths, key)
-        if statics["mesh"] is None and not isinstance(ids, jax.core.Tracer):
-            _check_memory(weights, drafter, verifier, ids, lengths, key, statics)
-        return _generate(weights, drafter, verifier, ids, lengths, key, **statics)
+        args = _place_inputs(statics["mesh"], model, drafter, verifier, ids, lengths, key)
+    return statics, args
 
 
 def _plain_is_faster(drafter: Any, length: Any, verifier: Any, batch: int) -> bool:
@@ -264,21 +278,11 @@ def stream(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
     is produced. `attention_mask`, `padding_side`, `attention_impl` and `mesh` as in
     `generate`.
     """
-    if attention_impl is not None:
-        model = model.with_attention_impl(attention_impl)
-    ids, lengths = validate_prompts(model, prompt_ids, prompt_lengths, max_new_tokens, capacity=None,
-                                    attention_mask=attention_mask, padding_side=padding_side)
-    ids = pad_to_bucket(ids)
-    if _plain_is_faster(drafter, length, verifier, ids.shape[0]):
-        drafter, verifier = None, None
-    key = jax.random.key(0) if key is None else key
-    statics = _statics(model, ids, drafter, sampling, max_new_tokens, verifier, length, None,
-                       mesh)
-    verifier = statics.pop("verifier")
+    statics, (weights, drafter, verifier, ids, lengths, key) = _prepare(
+        model, prompt_ids, prompt_lengths, attention_mask, padding_side, drafter, max_new_tokens,
+        sampling, verifier, length, key, None, attention_impl, mesh)
     mesh = statics["mesh"]
     with sharding.using(mesh):
-        weights, drafter, verifier, ids, lengths, key = _place_inputs(
-            mesh, model, drafter, verifier, ids, lengths, key)
         state = _init_jit(weights, drafter, verifier, ids, lengths, key, **statics)
     loop_statics = {k: statics[k] for k in ("config", "sampling", "eos_ids", "k", "length",
                                             "mesh")}
