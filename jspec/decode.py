@@ -155,8 +155,9 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
     statics, args = _prepare(model, prompt_ids, prompt_lengths, attention_mask, padding_side,
                              drafter, max_new_tokens, sampling, verifier, length, key, capacity,
                              attention_impl, mesh)
+    ids = args[3]  # (weights, drafter, verifier, ids, lengths, key)
     with sharding.using(statics["mesh"]):
-        if statics["mesh"] is None and not isinstance(args[3], jax.core.Tracer):
+        if statics["mesh"] is None and not isinstance(ids, jax.core.Tracer):
             _check_memory(*args, statics)
         return _generate(*args, **statics)
 
