@@ -47,11 +47,14 @@ def estimate_bytes(config: Any, batch: int, capacity: int, k: int, prompt_width:
     item = jax.numpy.dtype(config.jnp_dtype).itemsize
     cache = 2 * config.num_layers * batch * config.num_kv_heads * capacity * config.head_dim * item
     logits = 3 * batch * (k + 1) * config.vocab_size * 4
-    scores = batch * config.num_heads * prompt_width * capacity * 4  # one prefill layer's
+    scores = batch * config.num_heads * prompt_width * prompt_width * 4  # one prefill layer's
     ints = batch * (2 * capacity) * 4
     draft = 0
     if drafter is not None:
-        draft = 2 * batch * max(k, 1) * config.vocab_size * 4  # q and its processed copy
+        # q over the drafter's vocabulary, and its scatter to all V for the verifier
+        q_vocab = getattr(drafter, "q_vocab", None)
+        vq = config.vocab_size if q_vocab is None else int(q_vocab.shape[0])
+        draft = batch * max(k, 1) * (vq + config.vocab_size) * 4
         dcfg = getattr(drafter, "cfg", None)
         if dcfg is not None and hasattr(dcfg, "num_kv_heads"):
             layers = getattr(dcfg, "num_layers", 1) or 1

@@ -120,8 +120,9 @@ def prefill(config: ModelConfig, weights: Weights, prompt_ids: jax.Array,
     cache = KVCache.create(config, b, capacity)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     with jax.named_scope("prefill"):
+        # The cache is empty: the prompt's attention reads its own P slots, not the capacity.
         out = forward(config, weights, prompt_ids, positions, cache, compute_logits=False,
-                      hidden_layers=feature_layers)
+                      hidden_layers=feature_layers, slots=p)
         last_h = jnp.take_along_axis(out.final_hidden, (prompt_lengths - 1)[:, None, None], axis=1)
         logits = lm_logits(config, weights, last_h[:, 0])  # [B, V]
     key, sub = jax.random.split(key)

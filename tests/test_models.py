@@ -14,6 +14,7 @@ from conftest import TINY_VARIANTS, tiny_model
 import jspec
 from jspec.models import Chain, KVCache, ModelConfig, Tree, forward, init_weights
 from jspec.models.blocks import rms_norm
+from jspec.models.cache import from_storage, storage_dtype, to_storage, write_slots
 from jspec.models.llama import Weights, tree_ancestors
 from jspec.models.model import Model
 
@@ -366,7 +367,9 @@ def test_bfloat16_model(name):
     ref = np.asarray(_full(model, tokens).logits)
     out = _full(bf, tokens)
     assert out.logits.dtype == jnp.float32
-    assert out.cache.k[0].dtype == jnp.bfloat16
+    # A 16-bit cache is stored as its uint16 bits (jspec.models.cache.storage_dtype).
+    assert out.cache.k[0].dtype == jnp.uint16
+    assert from_storage(out.cache.k[0], jnp.bfloat16).dtype == jnp.bfloat16
     got = np.asarray(out.logits)
     assert np.all(np.isfinite(got))
     assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
@@ -475,10 +478,10 @@ def test_eval_shape_smollm2_135m():
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("t", [1, 4, 20])
 def test_write_slots_matches_numpy_including_the_capacity_edge(dtype, batch, t):
-    """Every write path (one row's window, per-token selects, scatter; t = 20 is past
-    MAX_SELECT_TOKENS, a prefill) writes new[b, i] at slot start[b] + i and drops slots past
-    the capacity (never wraps or clamps)."""
-    from jspec.models.cache import write_slots
+    """Both write paths (one row's window, the scatter) write new[b, i] at slot start[b] + i
+    and drop slots past the capacity (never wrap or clamp), on a buffer in its storage dtype
+    (bfloat16 as uint16 bits; reading back gives exactly the values cast to bfloat16)."""
+    assert storage_dtype(dtype) == (jnp.uint16 if dtype == jnp.bfloat16 else dtype)
 
     s, kv, hd = (8 if t < 8 else 24), 2, 3
     rng = np.random.default_rng(0)
@@ -491,8 +494,10 @@ def test_write_slots_matches_numpy_including_the_capacity_edge(dtype, batch, t):
             for i in range(t):
                 if st + i < s:
                     want[b, :, st + i] = new[b, i]
-        got = jax.jit(write_slots)(jnp.asarray(buf, dtype), jnp.asarray(new, dtype),
-                                   jnp.asarray(starts, jnp.int32))
-        assert got.dtype == dtype
+        stored = to_storage(jnp.asarray(buf, dtype), storage_dtype(dtype))
+        got = jax.jit(write_slots)(stored, jnp.asarray(new, dtype), jnp.asarray(starts, jnp.int32))
+        assert got.dtype == storage_dtype(dtype)
+        got = from_storage(got, dtype)
         want = np.asarray(jnp.asarray(want, dtype).astype(jnp.float32))
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want, err_msg=str(starts))
+

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.models.cache import write_slots
+from jspec.models.cache import from_storage, write_slots
 from jspec.sharding import logical, shard_kernel
 from pallas_kernels.tree_attention import tree_attention
 
@@ -186,7 +186,9 @@ class Attend:
     """How a layer attends to a cache: the XLA path's dense mask, or the Pallas kernel's inputs.
 
     The new tokens of row b sit at slots lengths[b] + t. XLA: `mask` bool[B, T, S] (from
-    `jspec.models.llama.attention_mask`). Pallas: the committed prefix (< lengths) plus the
+    `jspec.models.llama.attention_mask`) over the first `slots` slots (the caller's static
+    promise that lengths + T <= slots: prefill into an empty cache reads T slots, not the
+    capacity). Pallas: the committed prefix (< lengths) plus the
     new tokens under the chain (parents None) or tree (`parents` i32[T] | i32[B, T]) mask.
     """
 
@@ -194,6 +196,7 @@ class Attend:
     mask: jax.Array | None  # bool[B, T, S] (XLA path)
     lengths: jax.Array  # i32[B] committed prefix per row
     parents: jax.Array | None = None  # i32[T] | i32[B, T] | None (chain) (Pallas path)
+    slots: int | None = None  # static: XLA attention reads only slots [0, slots); None: all
 
 
 def attend(at: Attend, q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array,
@@ -210,16 +213,19 @@ def attend(at: Attend, q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array,
         parents = jnp.broadcast_to(parents, (b, t))
         qa, kva = ("batch", None, "heads", None), ("batch", None, "kv_heads", None)
         cache_a = ("batch", "kv_heads", None, None)
+        rk, rv = from_storage(ck, q.dtype), from_storage(cv, q.dtype)
         attn = shard_kernel(tree_attention,
                             (qa, cache_a, cache_a, ("batch",), kva, kva, ("batch", None)), qa)(
-            q, ck, cv, at.lengths, k.astype(ck.dtype), v.astype(cv.dtype), parents)
+            q, rk, rv, at.lengths, k.astype(rk.dtype), v.astype(rv.dtype), parents)
         return attn, write_slots(ck, k, at.lengths), write_slots(cv, v, at.lengths)
     # The new K/V are written first and attention reads the written buffer: reading the
     # unwritten one instead (prefix + new tokens apart) measured 1.3-1.4x slower at batch
     # 16-64 on XLA:CPU (a copy of every cache buffer per step).
     ck = write_slots(ck, k, at.lengths)  # [B, KV, S, hd]
     cv = write_slots(cv, v, at.lengths)
-    return attention(q, ck, cv, at.mask), ck, cv
+    n = ck.shape[2] if at.slots is None else at.slots
+    return attention(q, from_storage(ck[:, :, :n], q.dtype), from_storage(cv[:, :, :n], q.dtype),
+                     at.mask), ck, cv
 
 
 def mlp(lw: LayerWeights, x: jax.Array, eps: float) -> jax.Array:

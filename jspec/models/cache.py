@@ -12,8 +12,31 @@ from jspec.sharding import logical
 
 KV_AXES = ("batch", "kv_heads", "seq", "head_dim")  # every K/V buffer: dtype[B, KV, S, hd]
 
-# Verify widths (K + 1, tree nodes) stay on the select path; a prefill takes the scatter.
-MAX_SELECT_TOKENS = 16
+
+def storage_dtype(dtype) -> jnp.dtype:
+    """The dtype a K/V buffer of model dtype `dtype` is stored in: bfloat16 as its uint16 bits.
+
+    XLA:CPU computes bfloat16 selects and scatters in float32, and a bfloat16 cache carried
+    through the decode loop became a float32 one: at batch 256 and 512 slots the planned
+    temporaries were the same 6.7 GB in both dtypes (docs/BENCHMARKS.md "Batch 256 at 512
+    slots"). Integer bits are written in place and read back by a free bitcast in attention.
+    """
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(jnp.uint16) if dtype == jnp.bfloat16 else dtype
+
+
+def to_storage(x: jax.Array, buf_dtype) -> jax.Array:
+    """x (any float dtype) as the elements of a K/V buffer of `buf_dtype` (`storage_dtype`)."""
+    if jnp.dtype(buf_dtype) == jnp.uint16:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    return x.astype(buf_dtype)
+
+
+def from_storage(buf: jax.Array, dtype) -> jax.Array:
+    """The values of a K/V buffer (`storage_dtype`) in `dtype` (a free bitcast for uint16)."""
+    if buf.dtype == jnp.uint16:
+        buf = jax.lax.bitcast_convert_type(buf, jnp.bfloat16)
+    return buf.astype(dtype)
 
 
 def write_slots(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
@@ -22,17 +45,14 @@ def write_slots(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
 
     new: [B, T, KV, hd]; start: i32[B]. How, measured on XLA:CPU (docs/BENCHMARKS.md "Cache
     writes"): one row is a `dynamic_update_slice` of a T-slot window (O(T), in place; the
-    window is read first so that slots past S keep their old values). Several rows of a 16-bit
-    buffer on CPU: one select over the buffer per new token — XLA:CPU scatters a carried float32
-    cache in place but copies a bfloat16 one (30 layers of [64, 3, 256, 64]: 54 ms a step for
-    the scatter, 9 ms for one select), and one select over all T tokens gathers per slot and
-    recomputes RoPE there (T = 4, batch 16: 209 ms a verify against 92 for T selects).
-    Otherwise, and for more than MAX_SELECT_TOKENS new tokens (a prefill: T selects over the
-    buffer are O(T·S) work and compile; at batch 8, 128 prompt tokens, a bfloat16 forward took
-    46 s to compile), a scatter.
+    window is read first so that slots past S keep their old values); several rows a scatter,
+    in place for float32 and for bfloat16 stored as uint16 bits (`storage_dtype`). (Before
+    that storage, a bfloat16 scatter copied the buffer, 54 ms a step at batch 64, and T
+    selects over the buffer were the faster way; batch 16, T = 4, bfloat16: 107-118 ms a
+    verify step with the selects, 102-124 ms with the uint16 scatter, alternating runs.)
     """
     b, t = new.shape[:2]
-    src = jnp.swapaxes(new, 1, 2).astype(buf.dtype)  # [B, KV, T, hd]
+    src = to_storage(jnp.swapaxes(new, 1, 2), buf.dtype)  # [B, KV, T, hd]
     if b == 1 and t <= buf.shape[2]:
         s0 = jnp.minimum(start[0], buf.shape[2] - t)
         old = jax.lax.dynamic_slice_in_dim(buf, s0, t, axis=2)
@@ -40,15 +60,10 @@ def write_slots(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
         win = jnp.take(src, jnp.clip(j, 0, t - 1), axis=2)
         win = jnp.where(((j >= 0) & (j < t))[None, None, :, None], win, old)
         return jax.lax.dynamic_update_slice_in_dim(buf, win, s0, axis=2)
-    if buf.dtype.itemsize >= 4 or jax.default_backend() != "cpu" or t > MAX_SELECT_TOKENS:
-        slots = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
-        rows = jnp.arange(b, dtype=jnp.int32)[:, None]
-        # Indices (rows, :, slots): the indexed dims come first, so the update is [B, T, KV, hd].
-        return buf.at[rows, :, slots].set(new.astype(buf.dtype), mode="drop")
-    rel = jnp.arange(buf.shape[2], dtype=jnp.int32)[None, :] - start[:, None]  # [B, S]
-    for i in range(t):
-        buf = jnp.where((rel == i)[:, None, :, None], src[:, :, i:i + 1], buf)
-    return buf
+    slots = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+    rows = jnp.arange(b, dtype=jnp.int32)[:, None]
+    # Indices (rows, :, slots): the indexed dims come first, so the update is [B, T, KV, hd].
+    return buf.at[rows, :, slots].set(jnp.swapaxes(src, 1, 2), mode="drop")
 
 
 @jax.tree_util.register_dataclass
@@ -85,8 +100,9 @@ class KVCache:
         """
         layers = config.num_layers if num_layers is None else num_layers
         shape = (batch, config.num_kv_heads, capacity, config.head_dim)
-        return cls(k=tuple(jnp.zeros(shape, config.jnp_dtype) for _ in range(layers)),
-                   v=tuple(jnp.zeros(shape, config.jnp_dtype) for _ in range(layers)),
+        dt = storage_dtype(config.jnp_dtype)
+        return cls(k=tuple(jnp.zeros(shape, dt) for _ in range(layers)),
+                   v=tuple(jnp.zeros(shape, dt) for _ in range(layers)),
                    lengths=jnp.zeros((batch,), jnp.int32))
 
     def with_lengths(self, lengths: jax.Array) -> KVCache:

@@ -121,7 +121,8 @@ class ForwardOutput:
 
 def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions: jax.Array,
             cache: KVCache, mask: Chain | Tree = Chain(), hidden_layers: tuple[int, ...] = (),
-            compute_logits: bool = True, num_layers: int | None = None) -> ForwardOutput:
+            compute_logits: bool = True, num_layers: int | None = None,
+            slots: int | None = None) -> ForwardOutput:
     """Run the decoder over T new tokens per row.
 
     Args:
@@ -135,6 +136,8 @@ def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions:
         (0 = the embeddings, i = after layer i).
       compute_logits: static; skip the LM head when False.
       num_layers: static; run only the first N layers (early-exit drafting), default all.
+      slots: static; the caller promises every row's lengths + T <= slots, and attention reads
+        only the first `slots` cache slots (prefill into an empty cache: T). Default: all.
 
     `config.attention_impl` picks the attention: "xla" (dense mask over the whole cache) or
     "pallas" (`pallas_kernels.tree_attention`, cascade prefix + tree; interpret mode on CPU) for
@@ -147,6 +150,8 @@ def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions:
     n_layers = config.num_layers if num_layers is None else num_layers
     rot = rope_angles(positions, jnp.asarray(config.inv_freq()))
     x = jnp.take(weights.embed, tokens, axis=0).astype(config.jnp_dtype)  # [B, T, D]
+    if slots is not None and not t <= slots <= cache.capacity:
+        raise ValueError(f"slots={slots} must lie in [{t} new tokens, {cache.capacity} capacity]")
     use_pallas = config.resolved_attention_impl() == "pallas" and t <= PALLAS_MAX_NEW_TOKENS
     if use_pallas and config.attention_impl == "auto" and jax.default_backend() == "gpu":
 
@@ -155,9 +160,11 @@ def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions:
         use_pallas = gpu_kernel_supports(t, config.head_dim, cache.capacity, config.jnp_dtype)
     at = Attend(
         use_pallas=use_pallas,
-        mask=None if use_pallas else attention_mask(cache.lengths, t, cache.capacity, mask),
+        mask=None if use_pallas else attention_mask(cache.lengths, t, slots or cache.capacity,
+                                                     mask),
         lengths=cache.lengths,
-        parents=jnp.asarray(mask.parents, jnp.int32) if isinstance(mask, Tree) else None)
+        parents=jnp.asarray(mask.parents, jnp.int32) if isinstance(mask, Tree) else None,
+        slots=slots)
     want = tuple(sorted(set(hidden_layers)))
     for i in want:
         if not 0 <= i <= n_layers:
