@@ -237,6 +237,7 @@ def libraspec_draft(policy: LibraSpec, drafter: Any, dstate: Any, ctx: DraftCont
         dws = settle(raise_floor(dws, j), end(j))
     d = jnp.clip(dws[0], 1, policy.d_max)
     prop = Proposal(tokens=toks[:, :policy.d_max], q=None if qs is None else qs[:, :policy.d_max],
+                    q_vocab=first.q_vocab,
                     conf=confs[:, :policy.d_max])
     return prop, dstate, d, jnp.max(jnp.where(live, d, 1))
 

@@ -23,7 +23,7 @@ from jspec.drafters.base import DraftContext, Drafter
 from jspec.length import FixedLength, LibraSpec
 from jspec.models.config import ModelConfig
 from jspec.models.llama import Chain, Tree, Weights, forward
-from jspec.sampling import Sampling, sample
+from jspec.sampling import Sampling, dense_q, sample
 from jspec.state import SpecState, commit, features, is_eos, prefill
 from jspec.verify.base import Verifier
 
@@ -116,6 +116,10 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
                     qw = None if prop.q is None else prop.q[:, :w]
                     chosen = vw & (jnp.arange(w)[None, :] < d[:, None])
                     kw = {}
+                    if verifier.supports.compact_q:  # q stays in the drafter's vocabulary
+                        kw["q_vocab"] = prop.q_vocab
+                    elif qw is not None:
+                        qw = dense_q(qw, prop.q_vocab, out.logits.shape[-1])
                     if verifier.supports.needs_hidden:  # DIVERSED context-level head
                         kw["hidden"] = (prop.hidden[:, :w], out.final_hidden[:, :w])
                     n, nxt, vstate = verifier.verify(vstate, k_verify, dw, qw, out.logits,
@@ -126,7 +130,7 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
                     oracle = n
                     if policy.oracle_pass and sampling.greedy:
                         oracle, _, _ = verifier.verify(vstate, k_verify, dw, qw, out.logits,
-                                                       sampling, vw)
+                                                       sampling, vw, **kw)
                     path = None
                 else:
                     ok = jnp.concatenate([jnp.ones((b, 1), bool), vw], axis=1)

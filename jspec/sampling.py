@@ -95,3 +95,10 @@ def sample(key: jax.Array, logits: jax.Array, sampling: Sampling) -> jax.Array:
 def sample_from_probs(key: jax.Array, p: jax.Array) -> jax.Array:
     """i32[...]: one token per row of f32[..., V] probabilities (need not be normalised)."""
     return jax.random.categorical(key, jnp.log(jnp.maximum(p, 0.0)), axis=-1).astype(jnp.int32)
+
+
+def dense_q(q: jax.Array | None, q_vocab: jax.Array | None, v: int) -> jax.Array | None:
+    """q f32[..., Vq] over the target ids `q_vocab` (None: already all V) as f32[..., V]."""
+    if q is None or q_vocab is None:
+        return q
+    return jnp.zeros((*q.shape[:-1], v), q.dtype).at[..., q_vocab].set(q)

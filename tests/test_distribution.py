@@ -36,7 +36,7 @@ from test_trained_drafters import tiny_cfg
 import jspec
 from jspec.drafters import eagle3
 from jspec.drafters.base import ChainDrafter
-from jspec.sampling import process_logits, sample_from_probs
+from jspec.sampling import dense_q, process_logits, sample_from_probs
 from jspec.verify import Lossless, verify_chain
 
 ROWS, ALPHA, K = 4096, 0.01, 3
@@ -250,7 +250,8 @@ def test_broken_tree_walk_is_rejected():
 class ResidualFromP(Lossless):
     """Broken: after a rejection, the correction token is drawn from p, not norm([p − q]+)."""
 
-    def verify(self, vstate, key, draft, q, target_logits, sampling, valid):
+    def verify(self, vstate, key, draft, q, target_logits, sampling, valid, q_vocab=None):
+        q = dense_q(q, q_vocab, target_logits.shape[-1])
         n, _ = verify_chain(key, draft, q, target_logits, sampling, valid)
         p = jax.nn.softmax(process_logits(target_logits, sampling), axis=-1)
         nxt = sample_from_probs(jax.random.fold_in(key, 7), p[jnp.arange(n.shape[0]), n])
@@ -262,7 +263,8 @@ class ResidualFromP(Lossless):
 class AcceptsTooMuch(Lossless):
     """Broken: accepts with min(1, 2p/q) (and takes the residual of p − q/2)."""
 
-    def verify(self, vstate, key, draft, q, target_logits, sampling, valid):
+    def verify(self, vstate, key, draft, q, target_logits, sampling, valid, q_vocab=None):
+        q = dense_q(q, q_vocab, target_logits.shape[-1])
         n, nxt = verify_chain(key, draft, 0.5 * q, target_logits, sampling, valid)
         return n, nxt, vstate
 

@@ -35,6 +35,7 @@ from jspec.models import ModelConfig, init_weights  # noqa: E402
 from jspec.models.loading import weights_to_hf, write_hf_dir  # noqa: E402
 from jspec.models.model import Model  # noqa: E402
 from jspec.rounds import init_state, speculative_round  # noqa: E402
+from jspec.sampling import dense_q  # noqa: E402
 from jspec.verify import Lossless  # noqa: E402
 
 ATOL = 1e-4
@@ -366,6 +367,7 @@ def jspec_rounds(model, drafter, k, rounds, temperature, seed=0):
     for r in range(rounds + 1):
         ctx = DraftContext(seq=st.seq, cache_len=st.cache.lengths, last=st.last)
         toks, q, _ = drafter.propose(st.drafter, ctx, k, sampling, jax.random.key(100 + r))
+        q = dense_q(q, drafter.q_vocab, model.config.vocab_size)  # [B, k, V]
         seq, n = np.asarray(st.seq), np.asarray(st.cache.lengths)
         out.append([(seq[b, : n[b] + 1], np.asarray(toks[b]),
                      None if q is None else np.asarray(q[b])) for b in range(2)])

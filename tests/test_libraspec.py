@@ -306,7 +306,7 @@ class SampledBlockDrafter(_BlockDrafter):
         v = self.table.shape[-1]
         rows = jax.lax.dynamic_slice_in_dim(self.table, offset, k, axis=0)  # [k, V, V]
         logits = jnp.log(jnp.moveaxis(rows[:, anchor], 0, 1))  # [B, k, V]
-        tok, q, conf = choose(logits, jnp.arange(v, dtype=jnp.int32), v, sampling, key)
+        tok, q, conf = choose(logits, jnp.arange(v, dtype=jnp.int32), sampling, key)
         if self.token_conf and q is not None:
             conf = jnp.take_along_axis(q, tok[..., None], axis=-1)[..., 0]
         return tok, q, conf

@@ -395,3 +395,33 @@ def test_committed_sequence_invariant_after_every_round():
             assert clen[b] + 1 == len(want)
             np.testing.assert_array_equal(seq[b, : len(want)], want)
             assert seq[b, clen[b]] == last[b] == want[-1]
+
+
+@pytest.mark.parametrize("sampling", [jspec.Sampling(temperature=1.0), jspec.Sampling()])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_verify_chain_with_q_in_the_drafter_vocabulary_equals_the_dense_q(sampling, weighted):
+    """q over a drafter vocabulary (12 of V = 40 target ids, unsorted) with `q_vocab` gives the
+    same accepted counts and next tokens as the same q scattered to all V, for the same keys
+    (64 rows x 20 keys); and a one-hot draft (q None) the same as its dense one-hot q. With
+    `weighted`, DIVERSED's ν = w·p + (1 − w)·q path."""
+    from jspec.sampling import dense_q
+
+    b, k, v = 64, 3, 40
+    vocab = jnp.asarray(np.random.default_rng(0).permutation(v)[:12], jnp.int32)
+    logits = jax.random.normal(jax.random.key(1), (b, k + 1, v)) * 2.0
+    q_d = jax.nn.softmax(jax.random.normal(jax.random.key(2), (b, k, 12)) * 2.0, axis=-1)
+    draft = vocab[jax.random.randint(jax.random.key(3), (b, k), 0, 12)]
+    valid = jax.random.uniform(jax.random.key(4), (b, k)) < 0.9
+    w = jnp.full((b, k), 0.6) if weighted else None
+    dense = dense_q(q_d, vocab, v)
+    one_hot = jax.nn.one_hot(draft, v, dtype=jnp.float32)
+    for s in range(20):
+        key = jax.random.key(10 + s)
+        got = verify_chain(key, draft, q_d, logits, sampling, valid, w=w, q_vocab=vocab)
+        want = verify_chain(key, draft, dense, logits, sampling, valid, w=w)
+        for a, c in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+        got = verify_chain(key, draft, None, logits, sampling, valid, w=w)
+        want = verify_chain(key, draft, one_hot, logits, sampling, valid, w=w)
+        for a, c in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(c))

@@ -142,3 +142,20 @@ def test_real_greedy_eagle3_topk_tree_equals_autoregressive(real_model):
                             length=jspec.FixedLength(4))
         np.testing.assert_array_equal(np.asarray(sp.tokens), np.asarray(ar.tokens))
         assert float(sp.stats.mean_accepted()[0]) >= float(ch.stats.mean_accepted()[0]) - 0.1
+
+
+def test_tree_from_q_in_the_drafter_vocabulary_equals_the_dense_one():
+    """q over a drafter vocabulary (target ids 9, 1, 7, 2, 6, 3, 5, 8: unsorted, as a trained
+    drafter's `vocab_ids` may be) builds the same tree as the same q scattered to all V."""
+    from jspec.sampling import dense_q
+
+    q = _q([[{1: 0.6, 7: 0.3, 8: 0.1}, {2: 0.6, 6: 0.4}, {3: 0.7, 5: 0.3}]])
+    vocab = jnp.asarray([9, 1, 7, 2, 6, 3, 5, 8], jnp.int32)
+    q_d = jnp.asarray(np.asarray(q)[..., np.asarray(vocab)])
+    np.testing.assert_array_equal(np.asarray(dense_q(q_d, vocab, q.shape[-1])), np.asarray(q))
+    chain = jnp.asarray([[1, 2, 3]], jnp.int32)
+    for n in (9, 5, 2):
+        want = top_k_tree(chain, q, 3, n, 1.0)
+        got = top_k_tree(chain, q_d, 3, n, 1.0, q_vocab=vocab)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

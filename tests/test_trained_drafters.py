@@ -231,14 +231,17 @@ def test_shipped_drafters_on_the_real_model(real_model, name, k):
 def test_choose_in_the_draft_vocabulary_equals_the_full_vocabulary(sampling):
     """Draft-vocabulary logits (Vd = 7 here): q must be what temperature / top-k / top-p over
     the full vocabulary (logits NEG outside the draft vocabulary) gives, and every token a
-    draft-vocabulary id with q > 0 (the contract a draft-vocabulary sampler must also keep)."""
+    draft-vocabulary id with q > 0 (the contract a draft-vocabulary sampler must also keep).
+    q itself stays in the draft vocabulary ([B, K, Vd]); `dense_q` gives the full one."""
     from jspec.drafters.trained import choose
-    from jspec.sampling import NEG, probs
+    from jspec.sampling import NEG, dense_q, probs
 
     v, vocab = 23, jnp.asarray([2, 3, 5, 7, 11, 13, 17], jnp.int32)
     logits_d = jax.random.normal(jax.random.key(1), (2, 3, 7)) * 2.0
     full = jnp.full((2, 3, v), NEG).at[..., vocab].set(logits_d)
-    tok, q, conf = choose(logits_d, vocab, v, sampling, jax.random.key(2))
+    tok, q_d, conf = choose(logits_d, vocab, sampling, jax.random.key(2))
+    assert q_d.shape == (2, 3, 7)
+    q = dense_q(q_d, vocab, v)
     np.testing.assert_allclose(np.asarray(q), np.asarray(probs(full, sampling)), atol=1e-6)
     np.testing.assert_allclose(np.asarray(conf), np.asarray(q).max(-1), atol=1e-6)
     assert np.isin(np.asarray(tok), np.asarray(vocab)).all()

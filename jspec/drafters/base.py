@@ -7,10 +7,12 @@ A drafter is a pytree (its weights are leaves, its configuration static) with
   observe(state, feats, start, count)                    -> state
 The round (`jspec.rounds`) reads nothing else of a drafter. `ChainDrafter` is the base of
 drafters that propose chains: they implement
-  propose(state, ctx, k, sampling, key) -> (tokens i32[B, k], q f32[B, k, V] | None, state)
+  propose(state, ctx, k, sampling, key) -> (tokens i32[B, k], q f32[B, k, Vq] | None, state)
 and `draft` wraps it. `q` is the draft distribution after the same temperature/top-k/top-p
-processing as the target's, or None when the draft is deterministic (one-hot: n-gram lookup,
-or any greedy drafter).
+processing as the target's, over the drafter's own vocabulary `q_vocab` (i32[Vq] target token
+ids; None: the whole target vocabulary, Vq = V), or None when the draft is deterministic
+(one-hot: n-gram lookup, or any greedy drafter). A drafter with a 4,096-token head keeps q
+12x smaller than [B, k, V]; `jspec.sampling.dense_q` scatters it to the target vocabulary where needed.
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ class Proposal:
     """
 
     tokens: jax.Array  # i32[B, N] drafted tokens; -1: nothing proposed at that node
-    q: jax.Array | None = None  # f32[B, N, V] draft distributions (None: one-hot / greedy)
+    q: jax.Array | None = None  # f32[B, N, Vq] draft distributions (None: one-hot / greedy)
+    q_vocab: jax.Array | None = None  # i32[Vq] target ids of q's entries; None: all V
     parents: jax.Array | None = None  # i32[B, N] parent node, -1 = `last`; None: a chain
     conf: jax.Array | None = None  # f32[B, N] confidences (LibraSpec)
     hidden: jax.Array | None = None  # f32[B, N, D] drafter hidden states (DIVERSED's head)
@@ -132,6 +135,11 @@ class ChainDrafter:
     def caps(self) -> Capabilities:
         return Capabilities()
 
+    @property
+    def q_vocab(self) -> jax.Array | None:
+        """i32[Vq]: the target ids `propose`'s q is over; None: the whole vocabulary."""
+        return None
+
     def propose(self, state: Any, ctx: DraftContext, k: int, sampling: Sampling,
                 key: jax.Array) -> tuple[jax.Array, jax.Array | None, Any]:
         raise NotImplementedError
@@ -139,7 +147,7 @@ class ChainDrafter:
     def draft(self, state: Any, ctx: DraftContext, k: int, sampling: Sampling,
               key: jax.Array) -> tuple[Proposal, Any]:
         tokens, q, state = self.propose(state, ctx, k, sampling, key)
-        return Proposal(tokens=tokens, q=q), state
+        return Proposal(tokens=tokens, q=q, q_vocab=self.q_vocab), state
 
     def observe(self, state: Any, feats: jax.Array, start: jax.Array,
                 count: jax.Array) -> Any:

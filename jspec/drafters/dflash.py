@@ -299,8 +299,8 @@ class DFlash(TrainedDrafter):
         h = block_forward(cfg, p, x, qpos, list(zip(ck, cv, strict=True)), ctx_mask,
                           jnp.ones((b, gamma, gamma), bool))
         h = h[:, 1:]  # [B, k, D]
-        tokens, q, conf = choose(draft_logits(cfg, p, self.head, h), self.vocab_ids,
-                                 cfg.target_vocab, sampling, key)
+        tokens, q, conf = choose(draft_logits(cfg, p, self.head, h), self.vocab_ids, sampling,
+                                 key)
         return h, tokens, q, conf
 
     def extend(self, state: DFlashState, ctx: DraftContext, anchor: jax.Array,

@@ -186,8 +186,8 @@ class Eagle3(TrainedDrafter):
         keys = jax.random.split(key, k)
         toks, qs, confs, vh, hs = [], [], [], [], []
         for j in range(k):
-            t, q, c = choose(draft_logits(cfg, p, self.head, h), self.vocab_ids,
-                             cfg.target_vocab, sampling, keys[j])
+            t, q, c = choose(draft_logits(cfg, p, self.head, h), self.vocab_ids, sampling,
+                             keys[j])
             toks.append(t[:, 0])
             qs.append(None if q is None else q[:, 0])
             confs.append(c[:, 0])

@@ -93,18 +93,19 @@ class TopKTree:
         inner_sampling = Sampling(temperature=self.draft_temperature, top_k=self.k + 1)
         chain, state = self.inner.draft(state, ctx, k, inner_sampling, key)
         tokens, parents = top_k_tree(chain.tokens, chain.q, self.k,
-                                     tree_nodes(self.k, self.nodes, k), self.draft_temperature)
+                                     tree_nodes(self.k, self.nodes, k), self.draft_temperature,
+                                     q_vocab=chain.q_vocab)
         return Proposal(tokens=tokens, parents=parents), state
 
 
-def top_k_tree(chain: jax.Array, q: jax.Array | None, k: int, n: int, temperature: float
-               ) -> tuple[jax.Array, jax.Array]:
+def top_k_tree(chain: jax.Array, q: jax.Array | None, k: int, n: int, temperature: float,
+               q_vocab: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The best n nodes of the top-k tree around a drafted chain.
 
     Args:
       chain: i32[B, L] drafted chain (-1: nothing proposed; the chain ends there).
-      q: f32[B, L, V] the drafter's distributions at temperature `temperature` (None: the
-        chain alone).
+      q: f32[B, L, Vq] the drafter's distributions at temperature `temperature` over the
+        target ids `q_vocab` (None: all V) (q None: the chain alone).
       k: children per chain node; n: nodes kept (<= L·k).
     Returns:
       (tokens i32[B, n] (-1: empty node), parents i32[B, n] (-1: `last`)), in topological order.
@@ -123,7 +124,12 @@ def top_k_tree(chain: jax.Array, q: jax.Array | None, k: int, n: int, temperatur
         logq = logq - jax.nn.logsumexp(logq, axis=-1, keepdims=True)
         top_logp, top_tok = jax.lax.top_k(logq, k)  # [B, L, k]
         safe_chain = jnp.maximum(chain, 0)
-        chain_logp = jnp.take_along_axis(logq, safe_chain[..., None], axis=-1)[..., 0]
+        if q_vocab is None:
+            chain_logp = jnp.take_along_axis(logq, safe_chain[..., None], axis=-1)[..., 0]
+        else:  # entries of q are the target ids q_vocab
+            top_tok = q_vocab[top_tok]
+            at_chain = q_vocab[None, None, :] == safe_chain[..., None]  # [B, L, Vq]
+            chain_logp = jnp.max(jnp.where(at_chain, logq, -jnp.inf), axis=-1)
         # Siblings: the top tokens other than the chain's own (k - 1 of them).
         is_chain = top_tok == safe_chain[..., None]
         order = jnp.argsort(is_chain, axis=-1, stable=True)[..., : k - 1]  # chain token last

@@ -281,12 +281,13 @@ def verify_head(p: Params, h: jax.Array) -> jax.Array:
     return dense(h, p.vh_w[:, None])[..., 0] + p.vh_b[0]
 
 
-def choose(logits_d: jax.Array, vocab_ids: jax.Array, v: int, sampling: Sampling,
-           key: jax.Array) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+def choose(logits_d: jax.Array, vocab_ids: jax.Array, sampling: Sampling, key: jax.Array
+           ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
     """Pick draft tokens from draft-vocab logits [B, K, Vd].
 
-    Returns (tokens i32[B, K] in the target vocabulary, q f32[B, K, V] or None when greedy,
-    confidences f32[B, K]: max_v q_k(v), the confidence LibraSpec and D²SD read).
+    Returns (tokens i32[B, K] in the target vocabulary, q f32[B, K, Vd] over `vocab_ids` (the
+    drafter's `q_vocab`) or None when greedy, confidences f32[B, K]: max_v q_k(v), the
+    confidence LibraSpec and D²SD read).
 
     The confidence is the maximum probability of each slot's distribution, not the sampled
     token's own probability: it is fixed before the token is drawn, so a speculation length
@@ -303,8 +304,7 @@ def choose(logits_d: jax.Array, vocab_ids: jax.Array, v: int, sampling: Sampling
     z = process_logits(logits_d, sampling)
     idx = jax.random.categorical(key, z, axis=-1)
     q_d = jax.nn.softmax(z, axis=-1)
-    q = jnp.zeros((*q_d.shape[:-1], v), jnp.float32).at[..., vocab_ids].set(q_d)
-    return vocab_ids[idx].astype(jnp.int32), q, jnp.max(q_d, axis=-1)
+    return vocab_ids[idx].astype(jnp.int32), q_d, jnp.max(q_d, axis=-1)
 
 
 @jax.tree_util.register_dataclass
@@ -350,6 +350,11 @@ class TrainedDrafter(ChainDrafter):
         return 0
 
     @property
+    def q_vocab(self) -> jax.Array:
+        """q is over the drafter's own vocabulary (`choose`)."""
+        return self.vocab_ids
+
+    @property
     def caps(self) -> Capabilities:
         return Capabilities(feature_layers=self.feature_layers, feature_norm=self.feature_norm,
                             may_abstain=self.may_abstain, block_tokens=self.block_tokens,
@@ -359,7 +364,8 @@ class TrainedDrafter(ChainDrafter):
     def draft(self, state: Any, ctx: DraftContext, k: int, sampling: Sampling,
               key: jax.Array) -> tuple[Proposal, Any]:
         tokens, q, state = self.propose(state, ctx, k, sampling, key)
-        return Proposal(tokens=tokens, q=q, conf=state.conf, hidden=state.hidden), state
+        return Proposal(tokens=tokens, q=q, q_vocab=self.q_vocab, conf=state.conf,
+                        hidden=state.hidden), state
 
     def observe(self, state: Any, feats: jax.Array, start: jax.Array, count: jax.Array) -> Any:
         """Features f32[B, M, F, D] of the verify block at positions start.., count valid:

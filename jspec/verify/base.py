@@ -34,6 +34,9 @@ class Supports:
     trees: it verifies token trees (`verify_tree`; Lossless: the tree walk, exact).
     needs_hidden: `verify` also takes `hidden=(drafter hidden, target hidden)` at the drafted
       positions (DIVERSED's context-level head).
+    compact_q: `verify` takes q over the drafter's vocabulary, f32[B, K, Vq], with
+      `q_vocab=` i32[Vq] | None (its target ids; None: all V); otherwise the round hands it q
+      scattered to the target vocabulary, f32[B, K, V] (`jspec.sampling.dense_q`).
     """
 
     greedy: bool = True
@@ -41,6 +44,7 @@ class Supports:
     exact: bool = True
     trees: bool = False
     needs_hidden: bool = False
+    compact_q: bool = False
 
 
 class Verifier:

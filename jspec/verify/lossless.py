@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.errors import JspecError
-from jspec.sampling import Sampling, process_logits, sample_from_probs
+from jspec.sampling import Sampling, dense_q, process_logits, sample_from_probs
 from jspec.verify.base import Supports, Verifier
 from jspec.verify.tree import verify_tree
 from pallas_kernels.relaxed_acceptance import MIN_TEMPERATURE, relaxed_acceptance
@@ -43,16 +43,18 @@ class Lossless(Verifier):
 
     @property
     def supports(self) -> Supports:
-        """Every temperature, exact; for trees the walk (`jspec.verify.tree`)."""
-        return Supports(trees=True)
+        """Every temperature, exact; for trees the walk (`jspec.verify.tree`); q in the
+        drafter's vocabulary (the kernel path scatters it to the target's)."""
+        return Supports(trees=True, compact_q=True)
 
     def verify(self, vstate: None, key: jax.Array, draft: jax.Array, q: jax.Array | None,
-               target_logits: jax.Array, sampling: Sampling, valid: jax.Array
-               ) -> tuple[jax.Array, jax.Array, None]:
+               target_logits: jax.Array, sampling: Sampling, valid: jax.Array,
+               q_vocab: jax.Array | None = None) -> tuple[jax.Array, jax.Array, None]:
         if self.acceptance_impl == "pallas" and fused_acceptance_supports(sampling):
+            q = dense_q(q, q_vocab, target_logits.shape[-1])
             n, nxt = verify_chain_fused(key, draft, q, target_logits, sampling, valid)
         else:
-            n, nxt = verify_chain(key, draft, q, target_logits, sampling, valid)
+            n, nxt = verify_chain(key, draft, q, target_logits, sampling, valid, q_vocab=q_vocab)
         return n, nxt, vstate
 
     def verify_tree(self, vstate: None, key: jax.Array, tokens: jax.Array, parents: jax.Array,
@@ -109,15 +111,16 @@ def leading_true(mask: jax.Array) -> jax.Array:
 
 
 def verify_chain(key: jax.Array, draft: jax.Array, q: jax.Array | None, target_logits: jax.Array,
-                 sampling: Sampling, valid: jax.Array | None = None, w: jax.Array | None = None
-                 ) -> tuple[jax.Array, jax.Array]:
+                 sampling: Sampling, valid: jax.Array | None = None, w: jax.Array | None = None,
+                 q_vocab: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Decide how many drafted tokens to accept and the token that follows them.
 
     Args:
       key: PRNG key (unused when greedy).
       draft: i32[B, K] drafted tokens.
-      q: f32[B, K, V] draft distributions after the same processing as p, or None for a
-        deterministic (one-hot) draft.
+      q: f32[B, K, Vq] draft distributions after the same processing as p over the target
+        ids `q_vocab` (i32[Vq]; None: all V), or None for a deterministic (one-hot) draft.
+        Only q at the drafted tokens and one row's q (the residual's) are scattered to V.
       target_logits: f32[B, K+1, V] raw target logits at the K drafted positions + 1.
       sampling: applied identically to p (and, by the drafter, to q).
       valid: bool[B, K] or None; an invalid position is a slot where the drafter proposed
@@ -132,27 +135,44 @@ def verify_chain(key: jax.Array, draft: jax.Array, q: jax.Array | None, target_l
     """
     b, k = draft.shape
     z = process_logits(target_logits, sampling)  # [B, K+1, V]
+    v = z.shape[-1]
     ok = jnp.ones((b, k), bool) if valid is None else valid
-    if q is None:
-        q = jax.nn.one_hot(draft, z.shape[-1], dtype=jnp.float32)
+    if q is None:  # one-hot at the draft: itself a q over the drafted tokens' ids
+        q, q_vocab = jnp.ones((b, k, 1), jnp.float32), None
+        row_ids = draft[..., None]  # [B, K, 1] the target id of each row's single entry
+    else:
+        row_ids = None if q_vocab is None else jnp.broadcast_to(q_vocab, q.shape)
+
+    def dense(qr: jax.Array, ids: jax.Array | None) -> jax.Array:  # [..., Vq] -> [..., V]
+        if ids is None:
+            return qr
+        return jax.vmap(lambda a, i: jnp.zeros((v,), a.dtype).at[i].set(a))(
+            qr.reshape(-1, qr.shape[-1]), ids.reshape(-1, ids.shape[-1])).reshape(
+                *qr.shape[:-1], v)
+
     if sampling.greedy:
         target_tok = jnp.argmax(z, axis=-1).astype(jnp.int32)  # [B, K+1]
         choice = target_tok[:, :k]
         if w is not None:
             p = jax.nn.softmax(z[:, :k], axis=-1)
-            nu = w[..., None] * p + (1.0 - w[..., None]) * jnp.where(ok[..., None], q, 0.0)
+            nu = w[..., None] * p + (1.0 - w[..., None]) * jnp.where(ok[..., None],
+                                                                     dense(q, row_ids), 0.0)
             choice = jnp.argmax(nu, axis=-1).astype(jnp.int32)
         n, tok, _ = decide_greedy(draft, ok, target_tok, choice, w is not None)
         return n, tok
     p = jax.nn.softmax(z, axis=-1)  # [B, K+1, V]
     k_u, k_s = jax.random.split(key)
     p_x = jnp.take_along_axis(p[:, :k], draft[..., None], axis=-1)[..., 0]  # [B, K]
-    q_x = jnp.take_along_axis(q, draft[..., None], axis=-1)[..., 0]
+    if row_ids is None:
+        q_x = jnp.take_along_axis(q, draft[..., None], axis=-1)[..., 0]
+    else:  # the entry whose target id is the draft (0 when the drafter gave it none)
+        q_x = jnp.sum(jnp.where(row_ids == draft[..., None], q, 0.0), axis=-1)
     u = jax.random.uniform(k_u, (b, k))
     nu_x = p_x if w is None else w * p_x + (1.0 - w) * q_x
     n, row, proposed, _ = accept_sampled(ok, u, q_x, nu_x)
     rows = jnp.arange(b)
-    q_n = jnp.where(proposed[:, None], q[rows, row], 0.0)
+    q_n = jnp.where(proposed[:, None],
+                    dense(q[rows, row], None if row_ids is None else row_ids[rows, row]), 0.0)
     return n, residual_token(k_s, p[rows, n], q_n)
 
 
