@@ -501,3 +501,29 @@ def test_write_slots_matches_numpy_including_the_capacity_edge(dtype, batch, t):
         want = np.asarray(jnp.asarray(want, dtype).astype(jnp.float32))
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want, err_msg=str(starts))
 
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_compact_path_moves_the_path_slots_exactly(dtype, batch):
+    """A tree's accepted path (nodes written at start + node) moves to start + depth, bit for
+    bit, in the buffer's storage dtype (a uint16 slot is moved as bits, not converted)."""
+    from jspec.models.cache import KVCache
+
+    s, kv, hd, layers = 12, 2, 3, 2
+    rng = np.random.default_rng(1)
+    vals = [rng.normal(size=(batch, kv, s, hd)).astype(np.float32) for _ in range(2 * layers)]
+    bufs = [to_storage(jnp.asarray(v, dtype), storage_dtype(dtype)) for v in vals]
+    cache = KVCache(k=tuple(bufs[:layers]), v=tuple(bufs[layers:]),
+                    lengths=jnp.zeros((batch,), jnp.int32))
+    start = np.array([2, 0, 5][:batch], np.int32)
+    path = np.array([[0, 2, 5, 6], [0, 1, 3, 4], [0, 3, 4, 6]][:batch], np.int32)
+    got = jax.jit(KVCache.compact_path)(cache, jnp.asarray(start), jnp.asarray(path))
+    for buf, v in zip(got.k + got.v, vals, strict=True):
+        assert buf.dtype == storage_dtype(dtype)
+        want = np.asarray(jnp.asarray(v, dtype).astype(jnp.float32))
+        moved = want.copy()
+        for b in range(batch):
+            for d in range(1, path.shape[1]):
+                moved[b, :, start[b] + d] = want[b, :, start[b] + path[b, d]]
+        np.testing.assert_array_equal(np.asarray(from_storage(buf, jnp.float32)), moved)
+

@@ -26,7 +26,10 @@ def storage_dtype(dtype) -> jnp.dtype:
 
 
 def to_storage(x: jax.Array, buf_dtype) -> jax.Array:
-    """x (any float dtype) as the elements of a K/V buffer of `buf_dtype` (`storage_dtype`)."""
+    """x (any float dtype, or already the buffer's own elements: a slot moved within the cache)
+    as the elements of a K/V buffer of `buf_dtype` (`storage_dtype`)."""
+    if x.dtype == jnp.dtype(buf_dtype):
+        return x
     if jnp.dtype(buf_dtype) == jnp.uint16:
         return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
     return x.astype(buf_dtype)
