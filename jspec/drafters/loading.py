@@ -21,6 +21,8 @@ from jspec.specs import Registry, split_spec
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 # Trained drafters shipped with jspec: name -> file in jspec/assets.
 SHIPPED = {"smollm2-135m-eagle3": "smollm2-135m-eagle3.safetensors",
+           # The earlier EAGLE-3, trained on HumanEval + generated math only (better on code).
+           "smollm2-135m-eagle3-code": "smollm2-135m-eagle3-code.safetensors",
            "smollm2-135m-dflash": "smollm2-135m-dflash.safetensors",
            # D²SD's second (variable-prefix) drafter; its file names the first (the DFlash).
            "smollm2-135m-d2sd": "smollm2-135m-d2sd.safetensors"}
