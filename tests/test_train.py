@@ -173,6 +173,51 @@ def test_training_smoke_and_loadable(tiny_data, kind):
     np.testing.assert_array_equal(sp.tokens, ar.tokens)
 
 
+def test_init_continues_from_a_trained_drafter(tiny_data):
+    """`--init FILE`: the run starts from that drafter (its held-out evaluation at step 0 is the
+    first run's final one, to float rounding), keeps its vocabulary and feature statistics, and
+    refuses a drafter of another kind or VAT setting."""
+    tmp, _ = tiny_data
+    first = tmp / "init-first"
+    r = _run(_train_args(tmp, "eagle3", first, 6, ["--vat", "--f32", "--eval-every", "6"]))
+    assert r.returncode == 0, r.stderr[-3000:]
+    src = first / "eagle3.safetensors"
+    out = tmp / "init-second"
+    r = _run(_train_args(tmp, "eagle3", out, 2, ["--vat", "--init", str(src), "--eval-every",
+                                                 "2", "--draft-vocab", "32", "--ffn", "16"]))
+    assert r.returncode == 0, r.stderr[-3000:]
+    a = [json.loads(x) for x in (first / "log.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in b] == [0, 1, 2]
+    np.testing.assert_allclose(b[0]["heldout_loss"], a[-1]["heldout_loss"], rtol=1e-5)
+    cfg0, p0, v0 = load_drafter_file(src)
+    cfg1, p1, v1 = load_drafter_file(out / "eagle3.safetensors")
+    assert cfg1 == cfg0 and len(v1) == 64  # the init's shape wins over --draft-vocab / --ffn
+    np.testing.assert_array_equal(v1, v0)
+    for k in ("feat_mean", "feat_std"):
+        np.testing.assert_allclose(np.asarray(getattr(p1, k)), np.asarray(getattr(p0, k)),
+                                   rtol=1e-2)  # stored in bfloat16 by the second run
+    assert not np.allclose(np.asarray(p1.fc), np.asarray(p0.fc), atol=1e-3)  # it trained
+    for kind, extra, msg in (("eagle3", ["--init", str(src)], "pass --vat"),
+                             ("dflash", ["--vat", "--init", str(src)], "not dflash")):
+        r = _run(_train_args(tmp, kind, tmp / f"init-bad-{kind}", 1, extra))
+        assert r.returncode != 0 and msg in r.stderr, r.stderr[-2000:]
+
+
+def test_bfloat16_matmuls_train_the_same_steps_to_rounding(tiny_data):
+    """`--matmul-dtype bfloat16`: per-step losses within 2% of float32 over 3 steps, and not
+    bit-equal (the flag reaches the matmuls)."""
+    tmp, _ = tiny_data
+    logs = []
+    for dt in ("float32", "bfloat16"):
+        out = tmp / f"mm-{dt}"
+        r = _run(_train_args(tmp, "eagle3", out, 3, ["--eval-every", "0", "--matmul-dtype", dt]))
+        assert r.returncode == 0, r.stderr[-3000:]
+        logs.append([json.loads(x)["loss"] for x in (out / "log.jsonl").read_text().splitlines()])
+    np.testing.assert_allclose(logs[1], logs[0], rtol=2e-2)
+    assert logs[1] != logs[0]
+
+
 def test_training_on_a_mesh_matches_one_device(tiny_data):
     """`--mesh 2x4` on 8 fake CPU devices: the same per-step losses as one device (3 steps,
     rtol 1e-4), and a loadable drafter."""

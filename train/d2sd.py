@@ -195,10 +195,11 @@ def run(args: argparse.Namespace) -> int:
     missing = set(cfg.feature_layers) - set(recorded)
     if missing:
         raise SystemExit(f"error: the data lacks feature layers {sorted(missing)}")
-    feat_idx = [recorded.index(i) for i in cfg.feature_layers]
-    rows = load_rows(args.data, heldout=False, sets=args.sets)
+    cols = [recorded.index(i) for i in cfg.feature_layers]
+    rows = load_rows(args.data, heldout=False, sets=args.sets, layers=cols)
+    feat_idx = list(range(len(cols)))  # rows hold only these columns (then the final-normed)
     try:
-        held = load_rows(args.data, heldout=True, sets=args.sets)
+        held = load_rows(args.data, heldout=True, sets=args.sets, layers=cols)
     except SystemExit:
         print("warning: no held-out shards: no held-out evaluation", flush=True)
         held = Rows([], [], [])

@@ -47,7 +47,15 @@ class Rows:
         return len(self.tokens)
 
 
-def load_rows(data: str, heldout: bool, sets: list[str] | None = None) -> Rows:
+def load_rows(data: str, heldout: bool, sets: list[str] | None = None,
+              layers: list[int] | None = None) -> Rows:
+    """The training (or held-out) rows of a datagen directory.
+
+    layers: the recorded feature columns to keep (indices into meta.json's feature_layers; the
+      final-normed column, the last, is always kept after them); None keeps every column. A
+      drafter reads three of the five recorded layers, so keeping only its columns holds 4/6 of
+      the memory (the rows live in RAM: ≈ 4.6 KB a token instead of 6.9 KB).
+    """
     files = sorted(f for f in glob.glob(str(Path(data) / "*.npz"))
                    if not f.endswith(".tmp.npz"))  # a write cut short by a kill
     files = [f for f in files if Path(f).name.startswith("heldout_") == heldout]
@@ -59,13 +67,15 @@ def load_rows(data: str, heldout: bool, sets: list[str] | None = None) -> Rows:
     toks, plens, feats = [], [], []
     for f in files:
         sh = load_shard(Path(f))
+        cols = None if layers is None else [*layers, sh.feats.shape[1] - 1]
         for r in range(len(sh.prompt_lens)):
             a, b = int(sh.offsets[r]), int(sh.offsets[r + 1])
             if b - a - int(sh.prompt_lens[r]) < 2:
                 continue
             toks.append(np.asarray(sh.tokens[a:b]))
             plens.append(int(sh.prompt_lens[r]))
-            feats.append(np.asarray(sh.feats[a:b]))
+            feats.append(np.asarray(sh.feats[a:b]) if cols is None
+                         else np.ascontiguousarray(sh.feats[a:b][:, cols]))
     return Rows(toks, plens, feats)
 
 

@@ -38,13 +38,17 @@ from jspec.drafters.trained import (
     DrafterConfig,
     Frozen,
     Params,
+    cast_matrices,
+    check_target,
     draft_logits,
+    load_drafter_file,
     save_drafter,
     split_frozen,
     verify_head,
     with_stats,
 )
 from jspec.errors import JspecError
+from jspec.models.blocks import dense
 from jspec.models.model import load_model
 from train.data import (
     Rows,
@@ -171,20 +175,24 @@ def block_loss(kind: str, logits: jax.Array, t_logits: jax.Array, hard: jax.Arra
 
 
 def forward_blocks(kind: str, cfg: DrafterConfig, params: Params, frozen: Frozen,
-                   batch: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
-    """(logits, target logits, hard, valid, vh) for the sampled blocks of a batch."""
+                   batch: dict[str, jax.Array], matmul_dtype: Any = jnp.float32
+                   ) -> tuple[jax.Array, ...]:
+    """(logits, target logits, hard, valid, vh) for the sampled blocks of a batch.
+
+    matmul_dtype: the operands of the drafter's matmuls and of the draft head (float32
+    accumulation either way; the parameters and their gradients stay float32)."""
     tokens, lens = batch["tokens"], batch["lens"]
     feats = batch["feats"].astype(jnp.float32)
     final = batch["final"].astype(jnp.float32)
-    head, to_draft = frozen.head, frozen.to_draft
-    params = with_stats(params, frozen.stats)
+    head, to_draft = frozen.head.astype(matmul_dtype), frozen.to_draft
+    params = cast_matrices(with_stats(params, frozen.stats), matmul_dtype)
     s = tokens.shape[1]
     hsel, tpos = RECIPES[kind].hidden(cfg, params, frozen.embed, tokens, feats, batch["pos"])
     valid = batch["valid"][..., None] & (tpos < lens[:, None, None])
     tpc = jnp.minimum(tpos, s - 1)
     b, n, kk = tpc.shape
     fh = jnp.take_along_axis(final, (tpc - 1).reshape(b, n * kk)[..., None], axis=1)
-    t_logits = (fh @ head.T).reshape(b, n, kk, -1)  # target's logits for token tpos
+    t_logits = dense(fh, head.T).reshape(b, n, kk, -1)  # target's logits for token tpos
     hard = to_draft[jnp.take_along_axis(tokens, tpc.reshape(b, n * kk), axis=1)].reshape(b, n, kk)
     logits = draft_logits(cfg, params, head, hsel)
     vh = verify_head(params, hsel)
@@ -225,14 +233,16 @@ def _to_device(mesh: Mesh | None, batch: dict[str, np.ndarray]) -> dict[str, jax
     return sharding.place(batch, batch_sharding(mesh, batch))
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "cfg", "tx", "vat_head", "vat_weight", "mesh"),
+@functools.partial(jax.jit, static_argnames=("kind", "cfg", "tx", "vat_head", "vat_weight", "mesh",
+                                             "matmul_dtype"),
                    donate_argnames=("params", "opt_state"))
 def train_step(params: Params, opt_state: Any, frozen: Frozen,
                batch: dict[str, jax.Array], *, kind: str, cfg: DrafterConfig, tx: Any,
-               vat_head: bool, vat_weight: bool, mesh: Mesh | None = None
-               ) -> tuple[Params, Any, dict[str, jax.Array]]:
+               vat_head: bool, vat_weight: bool, mesh: Mesh | None = None,
+               matmul_dtype: str = "float32") -> tuple[Params, Any, dict[str, jax.Array]]:
     """One optimizer step. `mesh` (static): keep params / moments / batch in their rules-table
-    layout (`shard_for_training`); the gradient all-reduce over `data` is the compiler's."""
+    layout (`shard_for_training`); the gradient all-reduce over `data` is the compiler's.
+    `matmul_dtype`: "float32" or "bfloat16" operands in the forward and backward matmuls."""
 
     def pin(p, o):
         if mesh is None:
@@ -245,7 +255,7 @@ def train_step(params: Params, opt_state: Any, frozen: Frozen,
         batch = sharding.constrain(batch, batch_sharding(mesh, batch))
 
     def loss_fn(p):
-        out = forward_blocks(kind, cfg, p, frozen, batch)
+        out = forward_blocks(kind, cfg, p, frozen, batch, jnp.dtype(matmul_dtype))
         return block_loss(kind, *out, vat_head=vat_head, vat_weight=vat_weight)
 
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
@@ -273,6 +283,26 @@ def drafter_config(args: argparse.Namespace, target_config: Any,
         draft_vocab=args.draft_vocab, target_vocab=c.vocab_size, rope_theta=c.rope_theta,
         rms_eps=c.rms_eps, target=args.model, vat=bool(args.vat or args.vat_head),
         **RECIPES[args.kind].shape(args, recorded))
+
+
+def init_from(args: argparse.Namespace, target_config: Any
+              ) -> tuple[DrafterConfig, Params, np.ndarray]:
+    """(config, parameters, vocabulary) of the `--init` drafter a run continues from: its shape,
+    vocabulary and feature statistics are kept (the shape flags are then not used); the
+    optimizer and the learning-rate schedule start afresh."""
+
+    try:
+        cfg, params, vocab = load_drafter_file(args.init)
+        check_target(cfg, target_config)
+    except JspecError as e:
+        raise SystemExit(f"error: --init: {e}") from e
+    if cfg.kind != args.kind:
+        raise SystemExit(f"error: --init {args.init} is a {cfg.kind} drafter, not {args.kind}")
+    if cfg.vat != bool(args.vat_head):
+        raise SystemExit(f"error: --init {args.init} was trained "
+                         f"{'with' if cfg.vat else 'without'} the VAT head: "
+                         f"{'pass' if cfg.vat else 'drop'} --vat / --vat-head")
+    return cfg, params, vocab
 
 
 def positions(args: argparse.Namespace, kind: str, rng: np.random.Generator, lens: np.ndarray,
@@ -356,18 +386,32 @@ def run(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
     target = load_model(args.model)
     recorded = data_layers(args.data)
-    cfg = drafter_config(args, target.config, recorded)
-    feat_idx = [recorded.index(i) for i in cfg.feature_layers]
-    rows = load_rows(args.data, heldout=False, sets=args.sets)
+    init = init_from(args, target.config) if args.init else None
+    cfg = init[0] if init else drafter_config(args, target.config, recorded)
+    missing = set(cfg.feature_layers) - set(recorded)
+    if missing:
+        raise SystemExit(f"error: {args.data} lacks feature layers {sorted(missing)}")
+    cols = [recorded.index(i) for i in cfg.feature_layers]
+    rows = load_rows(args.data, heldout=False, sets=args.sets, layers=cols)
+    feat_idx = list(range(len(cols)))  # rows hold only these columns (then the final-normed)
     try:
-        held = load_rows(args.data, heldout=True, sets=args.sets)
+        held = load_rows(args.data, heldout=True, sets=args.sets, layers=cols)
     except SystemExit:
         say("warning: no held-out shards (`python -m train datagen --split heldout`): "
               "no held-out evaluation", flush=True)
         held = Rows([], [], [])
         args.eval_every = 0
     vocab_path = out / "vocab.npy"
-    if vocab_path.exists():
+    if init is not None:  # the init drafter's vocabulary (its head rows are these tokens)
+        vocab = init[2]
+        if vocab_path.exists() and not np.array_equal(np.load(vocab_path), vocab):
+            raise SystemExit(f"error: {vocab_path} is not the vocabulary of --init {args.init} "
+                             "(a run directory from another start: use a new --out)")
+        if writer and not vocab_path.exists():
+            tmp = out / f".vocab-{os.getpid()}.npy"
+            np.save(tmp, vocab)
+            os.replace(tmp, vocab_path)
+    elif vocab_path.exists():
         vocab = np.load(vocab_path)
     else:  # every process computes the same vocabulary; process 0 writes it, atomically
         vocab = draft_vocab(rows, args.draft_vocab, target.eos_ids)
@@ -388,14 +432,17 @@ def run(args: argparse.Namespace) -> int:
           f"{coverage(rows, vocab):.1%} of training / {coverage(held, vocab):.1%} of held-out "
           "response tokens", flush=True)
 
-    stats = feature_stats(rows, feat_idx, args.seed)
+    if init is not None:  # its parameters and the feature statistics it was trained with
+        params, stats = split_frozen(init[1])
+    else:
+        stats = feature_stats(rows, feat_idx, args.seed)
+        params, _ = split_frozen(RECIPES[cfg.kind].init_params(cfg, jax.random.key(args.seed)))
+        # The LM head is the target's: start from a fifth of the target's final norm, so that
+        # the first logits are near-uniform in the target's geometry (the target's full scale on
+        # random hidden states starts at ~20 nats of cross-entropy instead of ~8).
+        params = dataclasses.replace(
+            params, final_norm=0.2 * jnp.asarray(target.weights.final_norm, jnp.float32))
     frozen = Frozen(embed=embed, head=head, to_draft=jnp.asarray(to_draft), stats=stats)
-    params, _ = split_frozen(RECIPES[cfg.kind].init_params(cfg, jax.random.key(args.seed)))
-    # The LM head is the target's: start from a fifth of the target's final norm, so that the
-    # first logits are near-uniform in the target's geometry (the target's full scale on random
-    # hidden states starts at ~20 nats of cross-entropy instead of ~8).
-    params = dataclasses.replace(
-        params, final_norm=0.2 * jnp.asarray(target.weights.final_norm, jnp.float32))
     tx = optimizer(args)
     opt_state = tx.init(params)
     if mesh is not None:  # before a restore, which then fills the placed layout
@@ -403,13 +450,14 @@ def run(args: argparse.Namespace) -> int:
         say(f"mesh {dict(mesh.shape)}: batch rows over data, heads / MLP / vocabulary over "
               "model", flush=True)
     statics = dict(kind=cfg.kind, cfg=cfg, tx=tx, vat_head=args.vat_head,
+                   matmul_dtype=args.matmul_dtype,
                    vat_weight=args.vat_weight, mesh=mesh)
 
     def step_fn(params, opt_state, step):
         batch = step_batch(args, rows, plan, step, feat_idx, cfg, mesh)
         return train_step(params, opt_state, frozen, batch, **statics)
 
-    loop = Loop(step=step_fn, shown=("loss", "acc1", "tau_sim"),
+    loop = Loop(step=step_fn, shown=("loss", "acc1", "tau_sim"), eval_at_start=init is not None,
                 evaluate=lambda p: evaluate(args, held, held_plan, feat_idx, cfg, p, frozen,
                                             mesh))
     # --stop-after: end at that step with a checkpoint (the schedule is still the --steps run's).
@@ -453,6 +501,10 @@ def add_parsers(sub: Any) -> None:
         p.add_argument("--draft-vocab", type=int, default=4096,
                        help="draft vocabulary: the most frequent response tokens")
         p.add_argument("--ffn", type=int, default=RECIPES[kind].ffn, help="drafter MLP width")
+        p.add_argument("--init", default="",
+                       help="continue from this drafter file (its shape, vocabulary and feature "
+                            "statistics; a fresh optimizer and schedule): more steps or more "
+                            "data on a trained drafter")
         RECIPES[kind].add_args(p)
         p.add_argument("--vat", action="store_true",
                        help="verification-aware training: head + adaptive weighting")
@@ -474,5 +526,8 @@ def add_parsers(sub: Any) -> None:
         p.add_argument("--distributed", action="store_true",
                        help="call jax.distributed.initialize() first (multi-host: run the same "
                             "command on every host; see docs/SCALING.md)")
+        p.add_argument("--matmul-dtype", choices=("float32", "bfloat16"), default="float32",
+                       help="operands of the training matmuls (float32 accumulation and float32 "
+                            "parameters either way)")
         p.add_argument("--f32", action="store_true",
                        help="write the drafter in float32 (default bfloat16, half the size)")
