@@ -98,7 +98,14 @@ def sample_from_probs(key: jax.Array, p: jax.Array) -> jax.Array:
 
 
 def dense_q(q: jax.Array | None, q_vocab: jax.Array | None, v: int) -> jax.Array | None:
-    """q f32[..., Vq] over the target ids `q_vocab` (None: already all V) as f32[..., V]."""
+    """q f32[..., Vq] over the target ids `q_vocab` as f32[..., V]. `q_vocab` is i32[Vq] (one
+    vocabulary for every row), i32[..., Vq] (each row its own ids, q's shape), or None (q is
+    already over all V)."""
     if q is None or q_vocab is None:
         return q
-    return jnp.zeros((*q.shape[:-1], v), q.dtype).at[..., q_vocab].set(q)
+    if q_vocab.ndim == 1:
+        return jnp.zeros((*q.shape[:-1], v), q.dtype).at[..., q_vocab].set(q)
+    rows = q.reshape(-1, q.shape[-1])
+    ids = jnp.broadcast_to(q_vocab, q.shape).reshape(rows.shape)
+    out = jax.vmap(lambda a, i: jnp.zeros((v,), a.dtype).at[i].set(a))(rows, ids)
+    return out.reshape(*q.shape[:-1], v)

@@ -143,20 +143,13 @@ def verify_chain(key: jax.Array, draft: jax.Array, q: jax.Array | None, target_l
     else:
         row_ids = None if q_vocab is None else jnp.broadcast_to(q_vocab, q.shape)
 
-    def dense(qr: jax.Array, ids: jax.Array | None) -> jax.Array:  # [..., Vq] -> [..., V]
-        if ids is None:
-            return qr
-        return jax.vmap(lambda a, i: jnp.zeros((v,), a.dtype).at[i].set(a))(
-            qr.reshape(-1, qr.shape[-1]), ids.reshape(-1, ids.shape[-1])).reshape(
-                *qr.shape[:-1], v)
-
     if sampling.greedy:
         target_tok = jnp.argmax(z, axis=-1).astype(jnp.int32)  # [B, K+1]
         choice = target_tok[:, :k]
         if w is not None:
             p = jax.nn.softmax(z[:, :k], axis=-1)
             nu = w[..., None] * p + (1.0 - w[..., None]) * jnp.where(ok[..., None],
-                                                                     dense(q, row_ids), 0.0)
+                                                                     dense_q(q, row_ids, v), 0.0)
             choice = jnp.argmax(nu, axis=-1).astype(jnp.int32)
         n, tok, _ = decide_greedy(draft, ok, target_tok, choice, w is not None)
         return n, tok
@@ -172,7 +165,8 @@ def verify_chain(key: jax.Array, draft: jax.Array, q: jax.Array | None, target_l
     n, row, proposed, _ = accept_sampled(ok, u, q_x, nu_x)
     rows = jnp.arange(b)
     q_n = jnp.where(proposed[:, None],
-                    dense(q[rows, row], None if row_ids is None else row_ids[rows, row]), 0.0)
+                    dense_q(q[rows, row], None if row_ids is None else row_ids[rows, row], v),
+                    0.0)
     return n, residual_token(k_s, p[rows, n], q_n)
 
 
