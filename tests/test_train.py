@@ -184,7 +184,7 @@ def test_init_continues_from_a_trained_drafter(tiny_data):
     src = first / "eagle3.safetensors"
     out = tmp / "init-second"
     r = _run(_train_args(tmp, "eagle3", out, 2, ["--vat", "--init", str(src), "--eval-every",
-                                                 "2", "--draft-vocab", "32", "--ffn", "16"]))
+                                                 "2", "--ffn", "16"]))
     assert r.returncode == 0, r.stderr[-3000:]
     a = [json.loads(x) for x in (first / "log.jsonl").read_text().splitlines()]
     b = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
@@ -192,16 +192,42 @@ def test_init_continues_from_a_trained_drafter(tiny_data):
     np.testing.assert_allclose(b[0]["heldout_loss"], a[-1]["heldout_loss"], rtol=1e-5)
     cfg0, p0, v0 = load_drafter_file(src)
     cfg1, p1, v1 = load_drafter_file(out / "eagle3.safetensors")
-    assert cfg1 == cfg0 and len(v1) == 64  # the init's shape wins over --draft-vocab / --ffn
+    assert cfg1 == cfg0 and len(v1) == 64  # the init's shape wins over --ffn
     np.testing.assert_array_equal(v1, v0)
     for k in ("feat_mean", "feat_std"):
         np.testing.assert_allclose(np.asarray(getattr(p1, k)), np.asarray(getattr(p0, k)),
                                    rtol=1e-2)  # stored in bfloat16 by the second run
     assert not np.allclose(np.asarray(p1.fc), np.asarray(p0.fc), atol=1e-3)  # it trained
+    grown = tmp / "init-grown"  # a larger --draft-vocab grows the init's vocabulary
+    r = _run(_train_args(tmp, "eagle3", grown, 1, ["--vat", "--init", str(src), "--eval-every",
+                                                   "0", "--draft-vocab", "80"]))
+    assert r.returncode == 0, r.stderr[-3000:]
+    cfg2, _, v2 = load_drafter_file(grown / "eagle3.safetensors")
+    assert cfg2.draft_vocab == len(v2) == 80 and set(v0.tolist()) <= set(v2.tolist())
+    np.testing.assert_array_equal(np.load(grown / "vocab.npy"), v2)
     for kind, extra, msg in (("eagle3", ["--init", str(src)], "pass --vat"),
-                             ("dflash", ["--vat", "--init", str(src)], "not dflash")):
-        r = _run(_train_args(tmp, kind, tmp / f"init-bad-{kind}", 1, extra))
+                             ("dflash", ["--vat", "--init", str(src)], "not dflash"),
+                             ("eagle3", ["--vat", "--init", str(src), "--draft-vocab", "32"],
+                              "can only grow")):
+        r = _run(_train_args(tmp, kind, tmp / f"init-bad-{kind}-{msg[-4:]}", 1, extra))
         assert r.returncode != 0 and msg in r.stderr, r.stderr[-2000:]
+
+
+def test_draft_vocab_grows_a_kept_vocabulary_by_frequency():
+    """`draft_vocab(keep=)`: the kept ids stay, the most frequent others (responses only, after
+    each prompt) fill up to the size; without keep, the most frequent with EOS forced in; a
+    smaller size than keep is refused."""
+    from train.data import Rows, draft_vocab
+
+    # responses: 5 x4, 6 x3, 7 x2, 8 x1 (the prompt tokens 9 do not count)
+    tokens = [np.asarray([9, 9, 5, 5, 6, 7]), np.asarray([9, 5, 5, 6, 6, 7, 8])]
+    rows = Rows(tokens, [2, 1], [None, None])
+    np.testing.assert_array_equal(draft_vocab(rows, 2, ()), [5, 6])
+    np.testing.assert_array_equal(draft_vocab(rows, 2, (8,)), [5, 8])  # EOS always in
+    np.testing.assert_array_equal(draft_vocab(rows, 3, (), keep=np.asarray([8])), [5, 6, 8])
+    np.testing.assert_array_equal(draft_vocab(rows, 4, (), keep=np.asarray([7, 8])), [5, 6, 7, 8])
+    with pytest.raises(ValueError, match="shrink"):
+        draft_vocab(rows, 1, (), keep=np.asarray([7, 8]))
 
 
 def test_bfloat16_matmuls_train_the_same_steps_to_rounding(tiny_data):

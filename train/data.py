@@ -92,17 +92,33 @@ def feature_stats(rows: Rows, feat_idx: list[int], seed: int, n: int = 50_000
     return {"feat_mean": jnp.asarray(x.mean(0)), "feat_std": jnp.asarray(x.std(0) + 1e-3)}
 
 
-def draft_vocab(rows: Rows, size: int, eos_ids: tuple[int, ...]) -> np.ndarray:
-    """The `size` most frequent response tokens (EOS always in), sorted ids."""
-    counts = np.zeros((max(int(t.max()) for t in rows.tokens) + 1,), np.int64)
-    for t, p in zip(rows.tokens, rows.plens, strict=True):
+def response_counts(tokens: list[np.ndarray], plens: list[int] | np.ndarray) -> np.ndarray:
+    """i64[max id + 1]: how often each token id occurs in the responses (after each prompt)."""
+    counts = np.zeros((max(int(t.max()) for t in tokens) + 1,), np.int64)
+    for t, p in zip(tokens, plens, strict=True):
         np.add.at(counts, t[p:], 1)
-    order = np.argsort(-counts, kind="stable")
-    keep = [int(i) for i in order[:size]]
+    return counts
+
+
+def draft_vocab(rows: Rows, size: int, eos_ids: tuple[int, ...],
+                keep: np.ndarray | None = None) -> np.ndarray:
+    """The `size` most frequent response tokens (EOS always in), sorted ids.
+
+    `keep` (a trained drafter's vocabulary, at most `size` ids): every one of them stays, and
+    the most frequent others fill the rest — a drafter's head rows are the target's embedding
+    rows of its vocabulary, so a larger vocabulary needs no new parameters."""
+    order = [int(i) for i in np.argsort(-response_counts(rows.tokens, rows.plens), kind="stable")]
+    if keep is not None:
+        if len(keep) > size:
+            raise ValueError(f"cannot shrink a vocabulary of {len(keep)} to {size}")
+        have = set(int(i) for i in keep)
+        return np.sort(np.asarray(sorted(have) + [i for i in order if i not in have][
+            : size - len(have)], np.int32))
+    out = order[:size]
     for e in eos_ids:
-        if e not in keep:
-            keep[-1] = e
-    return np.sort(np.asarray(keep, np.int32))
+        if e not in out:
+            out[-1] = e
+    return np.sort(np.asarray(out, np.int32))
 
 
 def coverage(rows: Rows, vocab: np.ndarray) -> float:

@@ -114,6 +114,8 @@ class Recipe:
     ffn: int  # default MLP width
 
 
+DEFAULT_DRAFT_VOCAB = 4096  # covers 87% of the corpus' response tokens (docs/BENCHMARKS.md)
+
 RECIPES: dict[str, Recipe] = {
     # Chain starts s >= plen - 2 (step 1 predicts s + 2 >= plen); weights 0.8^k.
     "eagle3": Recipe(eagle3.init_params, _eagle3_hidden, lambda k0: 0.8 ** k0, (-2, 3),
@@ -280,7 +282,8 @@ def drafter_config(args: argparse.Namespace, target_config: Any,
     return DrafterConfig(
         kind=args.kind, hidden_size=c.hidden_size, num_heads=c.num_heads,
         num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, ffn_size=args.ffn,
-        draft_vocab=args.draft_vocab, target_vocab=c.vocab_size, rope_theta=c.rope_theta,
+        draft_vocab=args.draft_vocab or DEFAULT_DRAFT_VOCAB, target_vocab=c.vocab_size,
+        rope_theta=c.rope_theta,
         rms_eps=c.rms_eps, target=args.model, vat=bool(args.vat or args.vat_head),
         **RECIPES[args.kind].shape(args, recorded))
 
@@ -404,6 +407,12 @@ def run(args: argparse.Namespace) -> int:
     vocab_path = out / "vocab.npy"
     if init is not None:  # the init drafter's vocabulary (its head rows are these tokens)
         vocab = init[2]
+        if args.draft_vocab is not None and args.draft_vocab != len(vocab):
+            if args.draft_vocab < len(vocab):
+                raise SystemExit(f"error: --draft-vocab {args.draft_vocab} is smaller than the "
+                                 f"{len(vocab)} tokens of --init {args.init}: it can only grow")
+            vocab = draft_vocab(rows, args.draft_vocab, target.eos_ids, keep=vocab)
+            cfg = dataclasses.replace(cfg, draft_vocab=len(vocab))
         if vocab_path.exists() and not np.array_equal(np.load(vocab_path), vocab):
             raise SystemExit(f"error: {vocab_path} is not the vocabulary of --init {args.init} "
                              "(a run directory from another start: use a new --out)")
@@ -414,7 +423,7 @@ def run(args: argparse.Namespace) -> int:
     elif vocab_path.exists():
         vocab = np.load(vocab_path)
     else:  # every process computes the same vocabulary; process 0 writes it, atomically
-        vocab = draft_vocab(rows, args.draft_vocab, target.eos_ids)
+        vocab = draft_vocab(rows, args.draft_vocab or DEFAULT_DRAFT_VOCAB, target.eos_ids)
         if writer:
             tmp = out / f".vocab-{os.getpid()}.npy"
             np.save(tmp, vocab)
@@ -498,8 +507,10 @@ def add_parsers(sub: Any) -> None:
                        help="tokens per batch (rows x sequence bucket)")
         p.add_argument("--seq-buckets", type=int, nargs="+", default=[256, 512],
                        help="padded sequence lengths (longer rows keep their last tokens)")
-        p.add_argument("--draft-vocab", type=int, default=4096,
-                       help="draft vocabulary: the most frequent response tokens")
+        p.add_argument("--draft-vocab", type=int, default=None,
+                       help="draft vocabulary: the most frequent response tokens (default "
+                            f"{DEFAULT_DRAFT_VOCAB}; with --init the file's, and a larger N grows "
+                            "it: its tokens stay, the next most frequent are added)")
         p.add_argument("--ffn", type=int, default=RECIPES[kind].ffn, help="drafter MLP width")
         p.add_argument("--init", default="",
                        help="continue from this drafter file (its shape, vocabulary and feature "
