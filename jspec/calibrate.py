@@ -36,6 +36,7 @@ from jspec.errors import JspecError
 from jspec.length import LibraSpec, default_widths
 from jspec.models.llama import forward
 from jspec.prompts import load_prompt_set
+from jspec.sampling import argmax
 from jspec.state import bucket_length, cache_capacity, commit, features
 from jspec.verify.lossless import leading_true
 
@@ -85,7 +86,7 @@ def probe(model: Any, drafter: Any, prompts: list[list[int]], d_max: int, max_ne
         inp = jnp.concatenate([state.last[:, None], draft], axis=1)
         pos = state.cache.lengths[:, None] + jnp.arange(d_max + 1, dtype=jnp.int32)[None]
         out = forward(cfg, weights, inp, pos, state.cache, hidden_layers=fl)
-        tgt = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
+        tgt = argmax(out.logits)
         o = leading_true(valid & (draft == tgt[:, :d_max]))
         ds = drafter.observe(ds, features(out.hidden, drafter.caps.feature_norm), state.cache.lengths,
                              o + 1)

@@ -19,6 +19,7 @@ import numpy as np
 
 from jspec.models.cache import KVCache
 from jspec.models.llama import Chain, Tree, forward
+from jspec.state import cache_capacity
 
 
 def tree_depth(parents: np.ndarray) -> np.ndarray:
@@ -38,7 +39,7 @@ def forward_times(model: Any, sizes: list[int] | tuple[int, ...], fill: int, rep
     """
     cfg = model.config
     sizes = sorted(set(sizes))
-    cap = -(-(fill + max(sizes) + 1) // 128) * 128
+    cap = cache_capacity(fill, max(sizes))  # the capacity generate would give this fill
 
     @jax.jit
     def fwd(w, toks, pos, cache, parents):

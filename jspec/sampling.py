@@ -76,11 +76,32 @@ def process_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
     return x
 
 
+def argmax(x: jax.Array) -> jax.Array:
+    """i32[...]: the index of the first maximum of f32[..., V] (`jnp.argmax`'s answer, NaN
+    rows included: the first NaN).
+
+    Two plain reductions (the maximum, then the smallest index holding it): XLA:CPU runs
+    `jnp.argmax`'s paired (value, index) reduction 3-4x slower over a 49,152-token vocabulary
+    (batch 64: 7.2 vs 2.4 ms; `python scripts/argmax_speed.py`), once per decode step.
+    """
+    m = jnp.max(x, axis=-1, keepdims=True)
+    v = x.shape[-1]
+    hit = (x == m) | jnp.isnan(x)
+    return jnp.min(jnp.where(hit, jnp.arange(v, dtype=jnp.int32), v), axis=-1)
+
+
+def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
+    """i32[...]: one draw per row of f32[..., V] logits, the same draw as
+    `jax.random.categorical(key, logits, axis=-1)` (Gumbel-max with its Gumbel noise) with the
+    faster `argmax`."""
+    return argmax(jax.random.gumbel(key, logits.shape, logits.dtype) + logits)
+
+
 def probs(logits: jax.Array, sampling: Sampling) -> jax.Array:
     """f32[..., V]: the distribution tokens are drawn from (one-hot argmax when greedy)."""
     x = process_logits(logits, sampling)
     if sampling.greedy:
-        return jax.nn.one_hot(jnp.argmax(x, axis=-1), x.shape[-1], dtype=jnp.float32)
+        return jax.nn.one_hot(argmax(x), x.shape[-1], dtype=jnp.float32)
     return jax.nn.softmax(x, axis=-1)
 
 
@@ -88,13 +109,13 @@ def sample(key: jax.Array, logits: jax.Array, sampling: Sampling) -> jax.Array:
     """i32[...]: one token per row of f32[..., V] logits."""
     x = process_logits(logits, sampling)
     if sampling.greedy:
-        return jnp.argmax(x, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
+        return argmax(x)
+    return categorical(key, x)
 
 
 def sample_from_probs(key: jax.Array, p: jax.Array) -> jax.Array:
     """i32[...]: one token per row of f32[..., V] probabilities (need not be normalised)."""
-    return jax.random.categorical(key, jnp.log(jnp.maximum(p, 0.0)), axis=-1).astype(jnp.int32)
+    return categorical(key, jnp.log(jnp.maximum(p, 0.0)))
 
 
 def dense_q(q: jax.Array | None, q_vocab: jax.Array | None, v: int) -> jax.Array | None:

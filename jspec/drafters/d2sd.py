@@ -53,7 +53,7 @@ from jspec.drafters.dflash import (
 from jspec.drafters.trained import DFlashParams, DrafterConfig, draft_logits
 from jspec.errors import JspecError
 from jspec.models.blocks import rms_normalize
-from jspec.sampling import NEG, Sampling
+from jspec.sampling import NEG, Sampling, argmax
 
 META_FIRST = "jspec_d2sd_first"  # safetensors metadata: the first drafter (name or path)
 
@@ -254,7 +254,7 @@ class D2SD:
         dup = d.vocab_ids[None, None, :] == chain_tok[:, :, None]  # [B, K, Vd]
         first = mm[None, None, :, None] == 0
         logits = jnp.where(first & dup[:, :, None, :], NEG, logits)
-        toks = d.vocab_ids[jnp.argmax(logits, axis=-1)].astype(jnp.int32)
+        toks = d.vocab_ids[argmax(logits)].astype(jnp.int32)
         return toks, dataclasses.replace(st, ck=ck, cv=cv, last_c=last_c)
 
 

@@ -12,7 +12,7 @@ from jspec.drafters.base import Capabilities, ChainDrafter, DraftContext
 from jspec.models.cache import KVCache
 from jspec.models.config import ModelConfig
 from jspec.models.llama import Weights, forward
-from jspec.sampling import Sampling, process_logits
+from jspec.sampling import Sampling, argmax, categorical, process_logits
 
 
 @jax.tree_util.register_dataclass
@@ -68,8 +68,8 @@ class DraftModel(ChainDrafter):
         def step_out(out, i):
             z = process_logits(out.logits[:, -1], sampling)
             if sampling.greedy:
-                return jnp.argmax(z, axis=-1).astype(jnp.int32), None
-            return (jax.random.categorical(keys[i], z, axis=-1).astype(jnp.int32),
+                return argmax(z), None
+            return (categorical(keys[i], z),
                     jax.nn.softmax(z, axis=-1))
 
         out = forward(self.config, self.weights, toks, pos, cache, num_layers=self.layers)

@@ -28,7 +28,7 @@ from jspec.drafters.base import Capabilities, ChainDrafter, DraftContext, Propos
 from jspec.errors import JspecError
 from jspec.models.blocks import Heads, LayerWeights, dense, rms_norm, rope_angles
 from jspec.models.config import ModelConfig
-from jspec.sampling import Sampling, process_logits
+from jspec.sampling import Sampling, argmax, categorical, process_logits
 from jspec.sharding import logical
 
 FEATURE_NORMS = ("rms", "none")
@@ -295,14 +295,14 @@ def choose(logits_d: jax.Array, vocab_ids: jax.Array, sampling: Sampling, key: j
     ARCHITECTURE "LibraSpec at T > 0"). At T = 0 both are the same number.
     """
     if sampling.greedy:
-        idx = jnp.argmax(logits_d, axis=-1)
+        idx = argmax(logits_d)
         conf = jnp.max(jax.nn.softmax(logits_d, axis=-1), axis=-1)
         return vocab_ids[idx].astype(jnp.int32), None, conf
     # Processed and sampled in the draft vocabulary: the target-vocabulary logits are NEG
     # outside it, so temperature, top-k (k <= Vd), top-p and softmax give the same q there and
     # 0 elsewhere — without sorting or sampling 49,152 entries per drafted token.
     z = process_logits(logits_d, sampling)
-    idx = jax.random.categorical(key, z, axis=-1)
+    idx = categorical(key, z)
     q_d = jax.nn.softmax(z, axis=-1)
     return vocab_ids[idx].astype(jnp.int32), q_d, jnp.max(q_d, axis=-1)
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.errors import JspecError
-from jspec.sampling import Sampling
+from jspec.sampling import Sampling, argmax
 from jspec.verify.base import Supports, Verifier
 from jspec.verify.lossless import leading_true
 
@@ -73,7 +73,7 @@ class ASD(Verifier):
         """(n_accepted i32[B], next_token i32[B], state); shapes as `verify_chain`."""
         b, k = draft.shape
         z = target_logits.astype(jnp.float32)
-        top = jnp.argmax(z, axis=-1).astype(jnp.int32)  # [B, K+1] (first maximum on ties)
+        top = argmax(z)  # [B, K+1] (first maximum on ties)
         zmax = jnp.max(z[:, :k], axis=-1)
         zx = jnp.take_along_axis(z[:, :k], draft[..., None], axis=-1)[..., 0]
         mism = draft != top[:, :k]

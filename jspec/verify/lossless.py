@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.errors import JspecError
-from jspec.sampling import Sampling, dense_q, process_logits, sample_from_probs
+from jspec.sampling import Sampling, argmax, dense_q, process_logits, sample_from_probs
 from jspec.verify.base import Supports, Verifier
 from jspec.verify.tree import verify_tree
 from pallas_kernels.relaxed_acceptance import MIN_TEMPERATURE, relaxed_acceptance
@@ -144,13 +144,13 @@ def verify_chain(key: jax.Array, draft: jax.Array, q: jax.Array | None, target_l
         row_ids = None if q_vocab is None else jnp.broadcast_to(q_vocab, q.shape)
 
     if sampling.greedy:
-        target_tok = jnp.argmax(z, axis=-1).astype(jnp.int32)  # [B, K+1]
+        target_tok = argmax(z)  # [B, K+1]
         choice = target_tok[:, :k]
         if w is not None:
             p = jax.nn.softmax(z[:, :k], axis=-1)
             nu = w[..., None] * p + (1.0 - w[..., None]) * jnp.where(ok[..., None],
                                                                      dense_q(q, row_ids, v), 0.0)
-            choice = jnp.argmax(nu, axis=-1).astype(jnp.int32)
+            choice = argmax(nu)
         n, tok, _ = decide_greedy(draft, ok, target_tok, choice, w is not None)
         return n, tok
     p = jax.nn.softmax(z, axis=-1)  # [B, K+1, V]
