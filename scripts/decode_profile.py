@@ -6,7 +6,8 @@ The loop of `scripts/decode_step.py` (8 greedy one-token steps over a cache of S
 to half) under `jax.profiler.trace`; every XLA:CPU thunk of the trace is attributed to the jax
 operation it came from (the `op_name` of the optimized HLO, dumped to a temporary directory, with
 the layer number folded), and the time per step is printed per (thunk kind, operation). Thunks
-that run once per call (outside the loop) are in the sums too, divided by 8.
+that run once per call (outside the loop) are in the sums too, divided by 8; run it on an idle
+machine (another process on the 2 cores doubles every number).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def main(batch: int, slots: int, dtype: str) -> None:
         name = e.get("name", "")
         if e.get("ph") != "X" or name.startswith(("$", "end:")) or any(s in name for s in SKIP):
             continue
-        op = re.sub(r"layer_\d+", "layer_N", op_of.get(name, "(outside the loop body)"))
+        op = re.sub(r"layer_\d+", "layer_N", op_of.get(name, "(no op_name: a copy or convert XLA inserted)"))
         op = op.replace("jit(loop)/while/body/closed_call/", "")
         per[(name.split(".")[0], op)] += e["dur"]
     total = sum(per.values())
