@@ -26,37 +26,20 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={D
                            " --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_loop")
 
 import jax  # noqa: E402  (XLA_FLAGS must be set before jax starts)
-import jax.numpy as jnp  # noqa: E402
 
-from jspec.models.cache import KVCache  # noqa: E402
-from jspec.models.llama import forward  # noqa: E402
-from jspec.models.model import load_model  # noqa: E402
-from jspec.sampling import argmax  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_step import STEPS, decode_loop  # noqa: E402
 
-STEPS = 8
 # Trace events that are the runtime's own spans around the thunks, not thunks.
 SKIP = ("Thunk", "Slinky", "PjRt", "Pjit", "Handle", "Parse", "Allocate", "RefManager", "while")
 
 
 def main(batch: int, slots: int, dtype: str) -> None:
-    model = load_model("smollm2-135m", dtype=dtype)
-    cfg = model.config
-    cache = KVCache.create(cfg, batch, slots).with_lengths(jnp.full((batch,), slots // 2,
-                                                                    jnp.int32))
-    tok = jnp.ones((batch, 1), jnp.int32)
-
-    @jax.jit
-    def loop(w, cache, tok):
-        def body(_, c):
-            cache, tok = c
-            o = forward(cfg, w, tok, cache.lengths[:, None], cache)
-            return o.cache.with_lengths(cache.lengths + 1), argmax(o.logits[:, 0])[:, None]
-        return jax.lax.fori_loop(0, STEPS, body, (cache, tok))
-
-    jax.block_until_ready(loop(model.weights, cache, tok))
+    loop, args = decode_loop(batch, slots, dtype)
+    jax.block_until_ready(loop(*args))
     trace_dir = tempfile.mkdtemp(prefix="jspec-trace-")
     with jax.profiler.trace(trace_dir):
-        jax.block_until_ready(loop(model.weights, cache, tok))
+        jax.block_until_ready(loop(*args))
     with open(glob.glob(f"{DUMP}/*jit_loop.cpu_after_optimizations.txt")[0]) as f:
         hlo = f.read()
     op_of = {m.group(1): m.group(2) for m in re.finditer(

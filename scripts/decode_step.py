@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +20,14 @@ import numpy as np
 from jspec.models.cache import KVCache
 from jspec.models.llama import forward
 from jspec.models.model import load_model
+from jspec.sampling import argmax
+
+STEPS = 8
 
 
-def main(batch: int, slots: int, dtype: str) -> float:
+def decode_loop(batch: int, slots: int, dtype: str) -> tuple[Any, tuple[Any, ...]]:
+    """(jitted loop of STEPS greedy one-token steps, its arguments): the real target, a cache
+    of `slots` slots filled to half, `forward` + `jspec.sampling.argmax` per step."""
     model = load_model("smollm2-135m", dtype=dtype)
     cfg = model.config
     cache = KVCache.create(cfg, batch, slots).with_lengths(jnp.full((batch,), slots // 2,
@@ -33,17 +39,21 @@ def main(batch: int, slots: int, dtype: str) -> float:
         def body(_, c):
             cache, tok = c
             o = forward(cfg, w, tok, cache.lengths[:, None], cache)
-            nxt = jnp.argmax(o.logits[:, 0], -1)[:, None].astype(jnp.int32)
-            return o.cache.with_lengths(cache.lengths + 1), nxt
-        return jax.lax.fori_loop(0, 8, body, (cache, tok))
+            return o.cache.with_lengths(cache.lengths + 1), argmax(o.logits[:, 0])[:, None]
+        return jax.lax.fori_loop(0, STEPS, body, (cache, tok))
 
-    jax.block_until_ready(loop(model.weights, cache, tok))
+    return loop, (model.weights, cache, tok)
+
+
+def main(batch: int, slots: int, dtype: str) -> float:
+    loop, args = decode_loop(batch, slots, dtype)
+    jax.block_until_ready(loop(*args))
     ts = []
     for _ in range(3):
         t0 = time.perf_counter()
-        jax.block_until_ready(loop(model.weights, cache, tok))
+        jax.block_until_ready(loop(*args))
         ts.append(time.perf_counter() - t0)
-    return float(np.median(ts)) * 1000 / 8
+    return float(np.median(ts)) * 1000 / STEPS
 
 
 if __name__ == "__main__":
