@@ -191,7 +191,7 @@ def test_layouts_follow_the_rules_table():
 
 def test_no_collective_moves_a_cache_sized_buffer():
     """The KV cache stays where it is: in the compiled sharded generate (2x4 and 1x8), no
-    all-gather / all-to-all / collective-permute has a dimension as long as the cache (512
+    all-gather / all-to-all / collective-permute / all-reduce has a dimension as long as the cache (512
     slots); what moves is activations and each step's new K/V rows."""
     model = tiny_model("mesh_gqa", seed=1)
     ids, lengths = pad_prompts(PROMPTS)
@@ -200,7 +200,10 @@ def test_no_collective_moves_a_cache_sized_buffer():
         fn = jax.jit(lambda m, i, n, mesh=mesh: jspec.generate(m, i, n, max_new_tokens=8,
                                                                  capacity=512, mesh=mesh).tokens)
         hlo = fn.lower(model, ids, lengths).compile().as_text()
-        moved = re.findall(r"= \S*?\[([\d,]*)\]\S* (?:all-gather|all-to-all|collective-permute)\(", hlo)
+        # all-reduce too: the greedy argmax over vocabulary-sharded logits is two reductions
+        # (jspec.sampling.argmax), so its collectives are all-reduces of [B] values.
+        moved = re.findall(r"= \S*?\[([\d,]*)\]\S* "
+                           r"(?:all-gather|all-to-all|collective-permute|all-reduce)\(", hlo)
         assert moved, "expected some collectives on a sharded model"
         for dims in moved:
             assert "512" not in dims.split(","), f"a cache-sized buffer [{dims}] moves on {shape}"
