@@ -24,7 +24,9 @@ SHIPPED = {"smollm2-135m-eagle3": "smollm2-135m-eagle3.safetensors",
            # The earlier EAGLE-3, trained on HumanEval + generated math only (better on code).
            "smollm2-135m-eagle3-code": "smollm2-135m-eagle3-code.safetensors",
            "smollm2-135m-dflash": "smollm2-135m-dflash.safetensors",
-           # D²SD's second (variable-prefix) drafter; its file names the first (the DFlash).
+           # The earlier DFlash (HumanEval + generated math only); the shipped D²SD pairs with it.
+           "smollm2-135m-dflash-code": "smollm2-135m-dflash-code.safetensors",
+           # D²SD's second (variable-prefix) drafter; its file names the first (a DFlash).
            "smollm2-135m-d2sd": "smollm2-135m-d2sd.safetensors"}
 TREE_OPTIONS = ("branches", "branch_len")  # D²SD: tree shape (static)
 # Options of a trained drafter (a shipped name or a .safetensors file).
