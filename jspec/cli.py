@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "early-exit:N, a shipped trained drafter "
                                      "(smollm2-135m-eagle3, smollm2-135m-eagle3-code = "
                                      "the earlier code + math EAGLE-3, smollm2-135m-dflash, "
+                                     "smollm2-135m-dflash-code = the earlier DFlash, "
                                      "smollm2-135m-d2sd[:branches=4,branch_len=1] = D²SD tree "
                                      "drafting, use --k 7), or a draft model directory / .gguf; "
                                      "any chain drafter + '+topk[:k=K,nodes=N]' proposes its "
