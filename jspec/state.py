@@ -37,16 +37,15 @@ def capacity_multiple() -> int:
     """What cache capacities are rounded up to on the default backend: 128 slots (a lane-wide
     Pallas tile) on TPU/GPU; 32 on CPU, where the XLA attention reads every slot of the
     capacity each step (batch 64, 64 new tokens after 96-wide prompts: 192 slots instead of
-    256, docs/BENCHMARKS.md "Where a batched decode step goes")."""
+    256; docs/BENCHMARKS.md "Issue 18 closed out")."""
     return 32 if jax.default_backend() == "cpu" else 128
 
 
-def cache_capacity(prompt_width: int, max_new_tokens: int, lookahead: int = 0,
-                   multiple: int | None = None) -> int:
+def cache_capacity(prompt_width: int, max_new_tokens: int, lookahead: int = 0) -> int:
     """Slots needed for the prompt, the new tokens and a verify block of `lookahead` drafts,
-    rounded up to `multiple` (default `capacity_multiple()`)."""
+    rounded up to `capacity_multiple()`."""
     need = prompt_width + max_new_tokens + lookahead + 1
-    m = capacity_multiple() if multiple is None else multiple
+    m = capacity_multiple()
     return -(-need // m) * m
 
 

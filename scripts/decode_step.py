@@ -17,12 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jspec.sampling
 from jspec.models.cache import KVCache
 from jspec.models.llama import forward
 from jspec.models.model import load_model
-from jspec.sampling import argmax
 
 STEPS = 8
+# generate's greedy pick; a checkout from before `jspec.sampling.argmax` (12ea97e and older)
+# used jnp.argmax, so PYTHONPATH at one still runs its own decode path.
+argmax = getattr(jspec.sampling, "argmax", lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32))
 
 
 def decode_loop(batch: int, slots: int, dtype: str) -> tuple[Any, tuple[Any, ...]]:
