@@ -24,6 +24,7 @@ from jspec.models.cache import KVCache
 from jspec.models.llama import forward
 from jspec.prompts import load_prompt_set
 from jspec.provenance import provenance
+from jspec.specs import split_list
 from jspec.state import bucket_length
 from jspec.tables import print_table
 from jspec.tasks import score
@@ -151,7 +152,7 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
     ks = [int(k) for k in args.ks.split(",")]
     # "name@K1/K2" gives a drafter its own speculation lengths (e.g. DFlash's block - 1).
     drafter_ks: dict[str, list[int]] = {}
-    for spec in filter(None, args.drafters.split(",")):
+    for spec in split_list(args.drafters):
         name, _, own = spec.partition("@")
         try:
             drafter_ks[name] = [int(x) for x in own.split("/")] if own else ks

@@ -30,6 +30,7 @@ from jspec.models import registry
 from jspec.models.model import load_model
 from jspec.prompts import load_prompt_set
 from jspec.sampling import Sampling
+from jspec.specs import split_list
 from jspec.tables import print_table
 
 DEFAULT_PROMPTS = "alpaca:0-64"  # held out of datagen's training split (train.datagen.SPLITS)
@@ -194,7 +195,7 @@ def _speculative_rows(args: Any, base: Any, enc: list[list[int]], sizes: list[in
     against autoregressive decoding of the same target, batch and prompts. Here EOS ends a row
     (after it a drafter would be asked to predict what the target writes past its answer):
     greedy output is identical, so both decode the same tokens."""
-    specs = [x for x in args.drafters.split(",") if x]
+    specs = split_list(args.drafters)
     if not specs:
         return []
     model = base.astype(args.dtype)

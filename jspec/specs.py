@@ -33,6 +33,22 @@ def split_spec(spec: str) -> tuple[str, list[tuple[str, str | None]]]:
     return name.strip(), parts
 
 
+def split_list(text: str) -> list[str]:
+    """A comma-separated list of specs whose own options hold commas:
+    "e+topk:k=4,nodes=12@4,ngram@3" -> ["e+topk:k=4,nodes=12@4", "ngram@3"]. A piece that is
+    only an option (`key=value`, no ':' before its '=') continues the spec before it."""
+    out: list[str] = []
+    for piece in (p.strip() for p in text.split(",")):
+        if not piece:
+            continue
+        key, eq, _ = piece.partition("=")
+        if eq and ":" not in key and out and ":" in out[-1]:
+            out[-1] += "," + piece
+        else:
+            out.append(piece)
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """A named builder: `build(**context, **options)`.

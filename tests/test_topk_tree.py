@@ -159,3 +159,117 @@ def test_tree_from_q_in_the_drafter_vocabulary_equals_the_dense_one():
         got = top_k_tree(chain, q_d, 3, n, 1.0, q_vocab=vocab)
         for a, b in zip(got, want, strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _aligned_eagle3(model):
+    """A tiny EAGLE-3 over the whole vocabulary whose hidden state is mostly the target's last
+    feature (fc picks it; the layer adds a small random part): its first drafted token is
+    often the target's, so paths are accepted and later trees start from a path's features."""
+    import dataclasses
+
+    v, d = model.config.vocab_size, model.config.hidden_size
+    cfg = dataclasses.replace(tiny_cfg("eagle3", model), draft_vocab=v)
+    p = eagle3.init_params(cfg, jax.random.key(3))
+    f = len(cfg.feature_layers)
+    fc = jnp.zeros((f * d, d)).at[(f - 1) * d:].set(jnp.eye(d))
+    layer = dataclasses.replace(p.layer, wo=p.layer.wo * 0.6, w_down=p.layer.w_down * 0.6)
+    p = dataclasses.replace(p, fc=fc, layer=layer)
+    return eagle3.make(cfg, p, np.arange(v), model.weights)
+
+
+def _eagle2_reference(drafter, seq, cache_len, depth, k, width, n):
+    """The EAGLE-2 tree by brute force: every expanded node's children from the EAGLE-3
+    training-time-test forward over the committed tokens followed by the node's path
+    (`train_forward`, chain semantics), scores summed along the path, the n best kept.
+    Returns one set of paths (token tuples) per row."""
+    from test_trained_drafters import _target_features
+
+    from jspec.drafters.trained import draft_logits
+
+    b = seq.shape[0]
+    vocab = np.asarray(drafter.vocab_ids)
+
+    def logp(paths):  # paths: one token tuple per row, all of one length l -> f32[B, Vd]
+        alt = seq.copy()
+        for r in range(b):
+            alt[r, cache_len[r] + 1: cache_len[r] + 1 + len(paths[r])] = paths[r]
+        feats = _target_features(_eagle2_reference.model, alt, drafter.cfg.feature_layers)
+        hs = eagle3.train_forward(drafter.cfg, drafter.params, drafter.embed, jnp.asarray(alt),
+                                  feats, steps=len(paths[0]) + 1)
+        h = hs[-1][jnp.arange(b), jnp.asarray(cache_len) - 1]
+        return np.asarray(jax.nn.log_softmax(draft_logits(drafter.cfg, drafter.params,
+                                                          drafter.head, h), axis=-1))
+
+    def children(paths, base):  # [(path, score)] per row for the top-k of each expanded path
+        lp = logp(paths)
+        out = []
+        for r in range(b):
+            top = np.argsort(-lp[r], kind="stable")[:k]
+            out.append([(paths[r] + (int(vocab[i]),), base[r] + float(lp[r, i])) for i in top])
+        return out
+
+    cands = [[] for _ in range(b)]
+    frontier = children([()] * b, [0.0] * b)
+    for r in range(b):
+        cands[r] += frontier[r]
+    for _ in range(1, depth):
+        best = [sorted(f, key=lambda c: -c[1])[:width] for f in frontier]
+        nxt = [[] for _ in range(b)]
+        for i in range(width):
+            got = children([best[r][i][0] for r in range(b)], [best[r][i][1] for r in range(b)])
+            for r in range(b):
+                nxt[r] += got[r]
+        frontier = nxt
+        for r in range(b):
+            cands[r] += frontier[r]
+    return [{p for p, _ in sorted(c, key=lambda c: (-c[1], len(c[0])))[:n]} for c in cands]
+
+
+def _paths(tokens, parents):
+    out = []
+    for tok, par in zip(np.asarray(tokens), np.asarray(parents), strict=True):
+        paths = {}
+        for i, (t, p) in enumerate(zip(tok, par, strict=True)):
+            if t >= 0:
+                paths[i] = (paths[p] if p >= 0 else ()) + (int(t),)
+        out.append(set(paths.values()))
+    return out
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("k,width,nodes,depth", [(3, 2, 10, 3), (2, 1, 5, 4), (3, 3, 30, 3)])
+def test_eagle2_expansion_equals_the_brute_force_tree(k, width, nodes, depth, aligned):
+    """The tiny EAGLE-3's EAGLE-2 tree (batched steps over the expanded nodes, tree slots past
+    the capacity, ancestor masks) equals a brute-force tree built from the training forward
+    along every expanded path, in each of 4 rounds of greedy decoding (4 rows); width 1 is
+    the greedy chain plus siblings; 30 nodes is every candidate. A random drafter (its layer
+    matters, nothing accepted) and an aligned one (paths accepted)."""
+    from jspec.drafters.base import DraftContext
+    from jspec.rounds import init_state, speculative_round
+    from jspec.verify import Lossless
+
+    base = tiny_model("llama_tied_gqa2", seed=1)
+    model = jspec.Model(config=base.config.replace(eos_ids=()), weights=base.weights)
+    _eagle2_reference.model = model
+    inner = _aligned_eagle3(model) if aligned else _eagle3(model)
+    tree = TopKTree(inner=inner, k=k, nodes=nodes, width=width)
+    assert tree.caps.lookahead(depth) == min(nodes, k + (depth - 1) * width * k)
+    ids, lens = _pad(PROMPTS)
+    sampling = jspec.Sampling()
+    st = init_state(model.config, model.weights, tree, jnp.asarray(ids), jnp.asarray(lens),
+                    jax.random.key(0), sampling=sampling, max_new_tokens=40, capacity=128,
+                    eos_ids=(), k=depth, verifier=Lossless())
+    assert st.drafter.ck.shape[2] == 128 + (depth - 1) * width
+    rnd = jax.jit(lambda s: speculative_round(model.config, model.weights, tree, s,
+                                              policy=jspec.FixedLength(depth), sampling=sampling,
+                                              eos_ids=(), verifier=Lossless()))
+    for _ in range(4):
+        ctx = DraftContext(seq=st.seq, cache_len=st.cache.lengths, last=st.last)
+        prop, _ = tree.draft(st.drafter, ctx, depth, sampling, jax.random.key(1))
+        got = _paths(prop.tokens, prop.parents)
+        want = _eagle2_reference(inner, np.asarray(st.seq), np.asarray(st.cache.lengths),
+                                 depth, k, width, tree.caps.lookahead(depth))
+        assert got == want
+        st = rnd(st)
+    if aligned:  # paths were accepted: later trees started from several path features
+        assert int(np.asarray(st.stats.accepted).sum()) >= 4 * 4

@@ -52,6 +52,10 @@ class Capabilities:
     hidden_size: > 0 when its proposals carry hidden states f32[B, N, hidden_size] (a verifier
       with `needs_hidden`, DIVERSED's context head, reads them).
     nodes: for tree drafters, the nodes a proposal holds for chain length k (None: k).
+    expands: a chain drafter that can also step several continuations at once (EAGLE-2-style
+      trees, `jspec.drafters.topk_tree.expand_tree`): it implements
+      `draft_tree(state, ctx, *, depth, k, width, n) -> (tokens, parents, state)`, its state
+      made with (depth - 1) * width cache slots past the capacity for the tree's entries.
     default_k: the chain length `generate` uses when given no `length=` (for drafters loaded by
       name, the measured best of `jspec.defaults`).
     max_batch: the largest batch at which speculation was measured faster than plain decoding
@@ -66,6 +70,7 @@ class Capabilities:
     block_tokens: int = 0
     hidden_size: int = 0
     nodes: Callable[[int], int] | None = None
+    expands: bool = False
     default_k: int = 5
     max_batch: int = 0
 

@@ -14,7 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jspec.drafters.base import DraftContext
+from jspec.drafters.base import Capabilities, DraftContext
+from jspec.drafters.topk_tree import expand_tree
 from jspec.drafters.trained import (
     DrafterConfig,
     Eagle3Params,
@@ -69,18 +70,22 @@ def _residual(cfg: DrafterConfig, p: Eagle3Params, g: jax.Array) -> jax.Array:
 
 
 def step(cfg: DrafterConfig, p: Eagle3Params, emb: jax.Array, g: jax.Array,
-         positions: jax.Array, ck: jax.Array, cv: jax.Array
+         positions: jax.Array, ck: jax.Array, cv: jax.Array, *,
+         slots: jax.Array | None = None, mask: jax.Array | None = None
          ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One cached pass over T entries at consecutive positions i32[B, T] (= cache slots).
-    emb, g: [B, T, D]; ck, cv f32[B, KV, C, hd].
+    """One cached pass over T entries at positions i32[B, T]. emb, g: [B, T, D]; ck, cv
+    f32[B, KV, C, hd].
 
-    The target's decoder layer (`blocks.layer`): writes the entries' K/V at their slots and
-    attends to every slot <= own position (a chain from positions[:, 0]).
+    The target's decoder layer (`blocks.layer`): writes the entries' K/V at slots
+    `slots[b] + t` and attends to the slots `mask` bool[B, T, C] allows. Defaults: a chain,
+    slot = position (slots = positions[:, 0]) and every slot <= own position visible.
     Returns (h f32[B, T, D], ck, cv).
     """
-    slots = jnp.arange(ck.shape[2], dtype=jnp.int32)
-    at = blocks.Attend(use_pallas=False, mask=slots[None, None, :] <= positions[:, :, None],
-                       lengths=positions[:, 0])
+    if mask is None:
+        c = jnp.arange(ck.shape[2], dtype=jnp.int32)
+        mask = c[None, None, :] <= positions[:, :, None]
+    at = blocks.Attend(use_pallas=False, mask=mask,
+                       lengths=positions[:, 0] if slots is None else slots)
     return blocks.layer(cfg.heads, p.layer, g, rot(cfg, positions), at, ck, cv,
                         y=_layer_in(cfg, p, emb, g), residual=_residual(cfg, p, g))
 
@@ -172,8 +177,14 @@ class Eagle3(TrainedDrafter):
                                                          jnp.ones((b,), jnp.int32)),
                            conf=z, vhat=z, hidden=jnp.zeros((b, k, cfg.hidden_size), jnp.float32))
 
-    def propose(self, state: Eagle3State, ctx: DraftContext, k: int, sampling: Sampling,
-                key: jax.Array) -> tuple[jax.Array, jax.Array | None, Eagle3State]:
+    @property
+    def caps(self) -> Capabilities:
+        return dataclasses.replace(super().caps, expands=True)
+
+    def _ingest(self, state: Eagle3State, ctx: DraftContext
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The pending target features into the drafter's cache: (h f32[B, 1, D], the hidden
+        state that predicts the first drafted token, ck, cv)."""
         cfg, p = self.cfg, self.params
         pend = state.pending
         m = pend.feats.shape[1]
@@ -181,7 +192,13 @@ class Eagle3(TrainedDrafter):
         nxt = jnp.take_along_axis(ctx.seq, jnp.minimum(pos + 1, ctx.seq.shape[1] - 1), axis=1)
         emb = jnp.take(self.embed, nxt, axis=0).astype(jnp.float32)
         h, ck, cv = step(cfg, p, emb, fuse(p, pend.feats), pos, state.ck, state.cv)
-        h = jnp.take_along_axis(h, (pend.count - 1)[:, None, None], axis=1)  # [B, 1, D]
+        return jnp.take_along_axis(h, (pend.count - 1)[:, None, None], axis=1), ck, cv
+
+    def propose(self, state: Eagle3State, ctx: DraftContext, k: int, sampling: Sampling,
+                key: jax.Array) -> tuple[jax.Array, jax.Array | None, Eagle3State]:
+        cfg, p = self.cfg, self.params
+        pend = state.pending
+        h, ck, cv = self._ingest(state, ctx)
         p0 = ctx.cache_len - 1  # position of the chain's first entry
         keys = jax.random.split(key, k)
         toks, qs, confs, vh, hs = [], [], [], [], []
@@ -203,6 +220,47 @@ class Eagle3(TrainedDrafter):
         q = None if sampling.greedy else jnp.stack(qs, axis=1)
         return tokens, q, Eagle3State(ck=ck, cv=cv, pending=pend, conf=jnp.stack(confs, 1),
                                       vhat=vhat, hidden=jnp.stack(hs, axis=1))
+
+
+    def draft_tree(self, state: Eagle3State, ctx: DraftContext, *, depth: int, k: int,
+                   width: int, n: int) -> tuple[jax.Array, jax.Array, Eagle3State]:
+        """An EAGLE-2-style tree of `depth` levels (`topk_tree.expand_tree`): (tokens
+        i32[B, n], parents i32[B, n], state).
+
+        The W nodes of level l are one `step` at position p0 + l (p0: the first drafted entry's
+        parent, as in `propose`) whose entries go to the tree slots past the capacity (the
+        state was made with (depth - 1) * width of them); each attends to the committed context
+        (slots <= p0) and to its own expanded ancestors, and is fed its parent's hidden state
+        as the chain's step is. The drafter's context slots are left as a chain propose leaves
+        them: the next ingest overwrites everything past the committed length.
+        """
+        cfg, p = self.cfg, self.params
+        h0, ck, cv = self._ingest(state, ctx)
+        b = h0.shape[0]
+        cap = ck.shape[2]
+        base = cap - (depth - 1) * width  # the first tree slot
+        p0 = ctx.cache_len - 1
+        context = jnp.arange(base, dtype=jnp.int32)[None, :] <= p0[:, None]  # [B, base]
+
+        def logp(h: jax.Array) -> jax.Array:
+            return jax.nn.log_softmax(draft_logits(cfg, p, self.head, h), axis=-1)
+
+        def expand(carry: Any, level: int, tok: jax.Array, parent: jax.Array, anc: jax.Array
+                   ) -> tuple[jax.Array, Any]:
+            ck, cv, hp = carry
+            g = jnp.take_along_axis(hp, parent[..., None], axis=1)  # [B, W, D] parents' states
+            emb = jnp.take(self.embed, tok, axis=0).astype(jnp.float32)
+            pos = jnp.broadcast_to((p0 + level)[:, None], tok.shape)
+            mask = jnp.concatenate([jnp.broadcast_to(context[:, None], (b, width, base)), anc],
+                                   axis=-1)  # [B, W, cap]
+            slots = jnp.full((b,), base + (level - 1) * width, jnp.int32)
+            h, ck, cv = step(cfg, p, emb, g, pos, ck, cv, slots=slots, mask=mask)
+            return logp(h), (ck, cv, h)
+
+        tokens, parents, (ck, cv, _) = expand_tree(
+            logp(h0)[:, 0], self.vocab_ids, expand, (ck, cv, h0), depth=depth, k=k, width=width,
+            n=n)
+        return tokens, parents, dataclasses.replace(state, ck=ck, cv=cv)
 
 
 def make(cfg: DrafterConfig, params: Eagle3Params, vocab_ids: Any, target_weights: Any,

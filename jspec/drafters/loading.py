@@ -35,7 +35,8 @@ TRAINED.register("file", lambda **kw: kw, {"cut": float, "branches": int, "branc
                  usage="cut=P (D2SD: branches=N, branch_len=N)")
 # Proposers around any chain drafter: "INNER+name:key=value,...".
 WRAPPERS = Registry("proposer")
-WRAPPERS.register("topk", topk_tree.from_options, {"k": int, "nodes": int}, usage="k=K,nodes=N")
+WRAPPERS.register("topk", topk_tree.from_options, {"k": int, "nodes": int, "width": int},
+                  usage="k=K,nodes=N,width=W")
 
 
 def _trained(path: Path, target: Any, cut: float | None, name: str,
@@ -91,7 +92,8 @@ def load_drafter(name_or_path: str | os.PathLike, *, target: Any = None) -> Any:
     (`jspec.drafters.interop`); a Hugging Face directory or .gguf file of a small Llama-family
     model with the target's tokenizer. `target` may be omitted for trained drafters (their target is
     loaded by name). Any chain drafter followed by "+topk[:k=K,nodes=N]" proposes its top-k token
-    tree instead (`jspec.drafters.topk_tree`; defaults k=4, nodes=16).
+    tree instead (`jspec.drafters.topk_tree`; defaults k=4, nodes=16; an EAGLE-3 inner drafter
+    grows it EAGLE-2 style, expanding `width` nodes per level, default k).
 
     A drafter with a `jspec.defaults` record (the shipped ones, or one the user calibrated)
     carries its measured-best chain length as `caps.default_k`: what `generate` verifies per

@@ -1,30 +1,37 @@
-"""A top-k token tree from any chain drafter (`name+topk:k=K,nodes=N`).
+"""Top-k token trees from chain drafters (`name+topk:k=K,nodes=N[,width=W]`).
 
-One `draft` of the inner chain drafter gives the chain x_1..x_L and, at every level t, its
-draft distribution q_t. The tree expands the `k` most probable children of each chain node
-(the chain's own next token among them, the others leaves) and keeps the `nodes` best nodes by
-cumulative draft probability P(x_1..x_{t-1}) · q_t(c) (a node is never kept without its
-parent: a child's score is at most its parent's, ties go to the shallower node). The round
-verifies the tree in one target forward and walks it along the target's tokens
-(`jspec.verify.tree`), so the output is the target's at every temperature, whatever the
-drafter proposes.
+A drafter that can step several continuations at once (`caps.expands`: EAGLE-3) grows the
+tree EAGLE-2 style (`expand_tree`): its `k` most probable first tokens are the first level;
+at every further level the `width` best nodes of the level before, by cumulative draft
+probability P(x_1..x_t), are fed to the drafter in one batched step (each attends to the
+committed context and its own ancestors), and each contributes its `k` most probable
+children. After `depth` levels (the round's chain length) the `nodes` best of all candidates
+are kept (a node is never kept without its parent: a child's score is at most its parent's,
+ties go to the shallower node). With width = 1 the expanded nodes are the drafter's greedy
+chain, each level adding k - 1 siblings.
 
-Why only the chain grows: every branch is one token off the chain, so a path through a
-sibling at depth t is, to the inner drafter, a chain whose token t was replaced — the same
-as a rejection at t with a different correction token, which every chain drafter already
-handles (its caches are re-fed from the committed tokens and the path's target features).
-Deeper branches need a drafter that can step several continuations at once (EAGLE-2 style).
+Any other chain drafter (n-gram, early-exit, DFlash) gives one chain x_1..x_L and, at every
+level t, its draft distribution q_t: the tree is then the degenerate case that expands only
+the chain — the `k` most probable children of each chain node (the chain's own next token
+among them, the others leaves). A path through a sibling at depth t is, to the inner
+drafter, a chain whose token t was replaced — the same as a rejection at t with a different
+correction token, which every chain drafter already handles (its caches are re-fed from the
+committed tokens and the path's target features). That inner drafter drafts at temperature
+`draft_temperature` over its top k + 1 tokens, so its q shows the candidates at every
+temperature of the target; the cumulative scores use the drafter's own probabilities over
+those tokens (q^T renormalised, which undoes the temperature). A drafter without q (n-gram)
+gives the chain alone.
 
-The inner drafter drafts at temperature `draft_temperature` over its top k + 1 tokens, so
-its q shows the candidates at every temperature of the target; the cumulative scores use
-the drafter's own probabilities over those tokens (q^T renormalised, which undoes the
-temperature). A drafter without q (n-gram) gives the chain alone.
+Either way the round verifies the tree in one target forward and walks it along the target's
+tokens (`jspec.verify.tree`), so the output is the target's at every temperature, whatever
+the drafter proposes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -35,10 +42,12 @@ from jspec.errors import JspecError
 from jspec.sampling import Sampling
 
 
-def tree_nodes(k: int, nodes: int, chain: int) -> int:
-    """Nodes of a top-k tree over a chain of `chain` tokens: the budget, at most every
-    candidate (the chain and k - 1 siblings per level)."""
-    return min(nodes, chain * k)
+def tree_nodes(k: int, nodes: int, width: int, chain: int) -> int:
+    """Nodes of a top-k tree of depth `chain`: the budget, at most every candidate (width 0,
+    chain-only: the chain and k - 1 siblings per level; width W: k first tokens, then k
+    children of each of W expanded nodes per level)."""
+    cands = chain * k if width == 0 else k + (chain - 1) * width * k
+    return min(nodes, cands)
 
 
 @jax.tree_util.register_dataclass
@@ -46,13 +55,15 @@ def tree_nodes(k: int, nodes: int, chain: int) -> int:
 class TopKTree:
     """A tree drafter around a chain drafter `inner` (see the module docstring).
 
-    k: children kept per chain node (the chain's own token and k - 1 siblings), >= 1.
+    k: children per expanded node, >= 1.
     nodes: node budget N per round (static; the verify forward scores N + 1 tokens).
+    width: nodes expanded per level by a drafter that expands (1 <= width <= k; 0: k).
     """
 
     inner: Any
     k: int = dataclasses.field(metadata=dict(static=True), default=4)
     nodes: int = dataclasses.field(metadata=dict(static=True), default=16)
+    width: int = dataclasses.field(metadata=dict(static=True), default=0)
     draft_temperature: float = dataclasses.field(metadata=dict(static=True), default=0.25)
     name: str = dataclasses.field(metadata=dict(static=True), default="topk-tree")
     default_k: int = dataclasses.field(metadata=dict(static=True), default=0)  # 0: inner's
@@ -66,22 +77,34 @@ class TopKTree:
             raise JspecError(f"top-k tree k must be an integer >= 1, got {self.k!r}")
         if not isinstance(self.nodes, int) or self.nodes < 1:
             raise JspecError(f"top-k tree nodes must be an integer >= 1, got {self.nodes!r}")
+        if not isinstance(self.width, int) or not 0 <= self.width <= self.k:
+            raise JspecError(f"top-k tree width must be an integer in [1, k = {self.k}] (0: k), "
+                             f"got {self.width!r}")
         if not 0 < self.draft_temperature <= 1:
             raise JspecError("top-k tree draft_temperature must be in (0, 1], got "
                              f"{self.draft_temperature!r}")
 
     @property
+    def expand_width(self) -> int:
+        """Nodes expanded per level (0: the inner drafter cannot expand; chain-only tree)."""
+        return (self.width or self.k) if self.inner.caps.expands else 0
+
+    @property
     def caps(self) -> Capabilities:
         c = self.inner.caps
         return Capabilities(feature_layers=c.feature_layers, feature_norm=c.feature_norm,
-                            tree=True, nodes=functools.partial(tree_nodes, self.k, self.nodes),
+                            tree=True, nodes=functools.partial(tree_nodes, self.k, self.nodes,
+                                                               self.expand_width),
                             default_k=self.default_k or c.default_k,
                             max_batch=c.max_batch if self.max_batch < 0 else self.max_batch)
 
     def init_state(self, features: jax.Array | None, prompt_ids: jax.Array,
                    prompt_lengths: jax.Array, capacity: int, *, k: int,
                    verify_width: int | None = None) -> Any:
-        return self.inner.init_state(features, prompt_ids, prompt_lengths, capacity, k=k,
+        # An expanding drafter keeps the tree's entries in (k - 1) * width slots past the
+        # capacity (`expand_tree`).
+        return self.inner.init_state(features, prompt_ids, prompt_lengths,
+                                     capacity + (k - 1) * self.expand_width, k=k,
                                      verify_width=k)
 
     def observe(self, state: Any, feats: jax.Array, start: jax.Array, count: jax.Array) -> Any:
@@ -89,13 +112,74 @@ class TopKTree:
 
     def draft(self, state: Any, ctx: DraftContext, k: int, sampling: Sampling,
               key: jax.Array) -> tuple[Proposal, Any]:
-        """The chain of length k and the best `caps.lookahead(k)` nodes of its top-k tree."""
+        """The best `caps.lookahead(k)` nodes of a top-k tree of depth k."""
+        n = self.caps.lookahead(k)
+        if self.expand_width:
+            tokens, parents, state = self.inner.draft_tree(state, ctx, depth=k, k=self.k,
+                                                           width=self.expand_width, n=n)
+            return Proposal(tokens=tokens, parents=parents), state
         inner_sampling = Sampling(temperature=self.draft_temperature, top_k=self.k + 1)
         chain, state = self.inner.draft(state, ctx, k, inner_sampling, key)
-        tokens, parents = top_k_tree(chain.tokens, chain.q, self.k,
-                                     tree_nodes(self.k, self.nodes, k), self.draft_temperature,
+        tokens, parents = top_k_tree(chain.tokens, chain.q, self.k, n, self.draft_temperature,
                                      q_vocab=chain.q_vocab)
         return Proposal(tokens=tokens, parents=parents), state
+
+
+# expand(carry, level, tokens i32[B, W], parent i32[B, W], anc bool[B, W, E])
+#   -> (log-probabilities f32[B, W, Vd], carry)
+Expand = Callable[[Any, int, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
+
+
+def expand_tree(root_logp: jax.Array, vocab: jax.Array | None, expand: Expand, carry: Any, *,
+                depth: int, k: int, width: int, n: int) -> tuple[jax.Array, jax.Array, Any]:
+    """An EAGLE-2-style token tree: `depth` levels, `width` nodes expanded per level, the `n`
+    best candidates kept.
+
+    Args:
+      root_logp: f32[B, Vd] the drafter's log-probabilities of the first drafted token, over
+        the target ids `vocab` i32[Vd] (None: all V).
+      expand: one batched drafter step over the W nodes chosen at level l (1..depth-1): their
+        tokens (target ids), `parent`: each one's index among the nodes expanded at level l - 1
+        (0: the root, for l = 1), `anc`: the tree entries E = (depth - 1) * width it attends
+        to (its expanded ancestors and itself; entry (l - 1) * width + i is node i of level
+        l); returns its children's log-probabilities.
+      carry: the drafter's state threaded through `expand`.
+    Returns:
+      (tokens i32[B, n] (-1: empty), parents i32[B, n] (-1: `last`), carry), topological.
+    """
+    b = root_logp.shape[0]
+    ids = (lambda ix: ix) if vocab is None else (lambda ix: vocab[ix])
+    e_all = (depth - 1) * width
+    lp, ix = jax.lax.top_k(root_logp, k)  # [B, k] level 0 (depth 1)
+    f_score, f_tok = lp, ids(ix).astype(jnp.int32)
+    f_from = jnp.zeros((b, k), jnp.int32)  # the expanded node a candidate is a child of
+    f_anc = jnp.zeros((b, k, e_all), bool)  # that node's entries (ancestors + itself)
+    f_par = jnp.full((b, k), -1, jnp.int32)  # candidate index of the parent
+    scores, toks, pars, levels = [f_score], [f_tok], [f_par], [jnp.zeros((b, k), jnp.int32)]
+    offset = 0  # candidate index of the frontier's first node
+    for level in range(1, depth):
+        s, sel = jax.lax.top_k(f_score, width)  # [B, W] the nodes to expand
+        tok = jnp.take_along_axis(f_tok, sel, axis=1)
+        parent = jnp.take_along_axis(f_from, sel, axis=1)
+        own = jnp.arange(e_all) == (level - 1) * width + jnp.arange(width)[:, None]  # [W, E]
+        anc = jnp.take_along_axis(f_anc, sel[..., None], axis=1) | own[None]
+        logp, carry = expand(carry, level, tok, parent, anc)  # [B, W, Vd]
+        lp, ix = jax.lax.top_k(logp, k)  # [B, W, k]
+        offset_next = offset + f_score.shape[1]
+        f_score = (s[..., None] + lp).reshape(b, width * k)
+        f_tok = ids(ix).astype(jnp.int32).reshape(b, width * k)
+        f_from = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None, :, None],
+                                  (b, width, k)).reshape(b, width * k)
+        f_anc = jnp.repeat(anc, k, axis=1)
+        f_par = jnp.repeat(offset + sel, k, axis=1).astype(jnp.int32)
+        offset = offset_next
+        scores.append(f_score)
+        toks.append(f_tok)
+        pars.append(f_par)
+        levels.append(jnp.full((b, width * k), level, jnp.int32))
+    tokens, parents = keep_best(*(jnp.concatenate(a, axis=1)
+                                  for a in (scores, toks, pars, levels)), n)
+    return tokens, parents, carry
 
 
 def top_k_tree(chain: jax.Array, q: jax.Array | None, k: int, n: int, temperature: float,
@@ -150,9 +234,25 @@ def top_k_tree(chain: jax.Array, q: jax.Array | None, k: int, n: int, temperatur
     # Parent candidate: the chain node one level up (-1 for level 0).
     parent_cand = jnp.where(level > 0, (level - 1) * k, -1)
     m = length * k
-    score, tok, parent_cand = (a.reshape(b, m) for a in (score, tok, parent_cand))
+    return keep_best(*(a.reshape(b, m) for a in (score, tok, parent_cand, level)), n)
+
+
+def keep_best(score: jax.Array, tok: jax.Array, parent_cand: jax.Array, level: jax.Array,
+              n: int) -> tuple[jax.Array, jax.Array]:
+    """The n best candidates of a token tree by cumulative log-probability, as a proposal.
+
+    Args:
+      score: f32[B, M] cumulative draft log-probability of each candidate (-inf: none);
+      tok: i32[B, M] its token; parent_cand: i32[B, M] its parent's candidate index (< its
+      own; -1: `last`); level: i32[B, M] its depth - 1. A child scores at most its parent.
+    Returns:
+      (tokens i32[B, n] (-1: empty node), parents i32[B, n] (-1: `last`)) in candidate order,
+      which is topological.
+    """
+    b = score.shape[0]
+    m = score.shape[1]
     # Ties (q = 1 at a level) go to the shallower node, so a parent outranks its children.
-    rank_key = jnp.where(jnp.isfinite(score), score, -1e30) - 1e-6 * level.reshape(b, m)
+    rank_key = jnp.where(jnp.isfinite(score), score, -1e30) - 1e-6 * level
     keep_idx = jnp.sort(jax.lax.top_k(rank_key, n)[1], axis=-1)  # [B, n] candidate order
     kept = jnp.zeros((b, m), bool).at[jnp.arange(b)[:, None], keep_idx].set(True)
     pos = jnp.cumsum(kept, axis=1) - 1  # candidate -> its index among the kept nodes
@@ -165,6 +265,7 @@ def top_k_tree(chain: jax.Array, q: jax.Array | None, k: int, n: int, temperatur
     return tokens.astype(jnp.int32), parents.astype(jnp.int32)
 
 
-def from_options(inner: Any, k: int = 4, nodes: int = 16) -> TopKTree:
-    """`load_drafter`'s `INNER+topk:k=K,nodes=N`."""
-    return TopKTree(inner=inner, k=k, nodes=nodes, name=f"{getattr(inner, 'name', 'drafter')}+topk")
+def from_options(inner: Any, k: int = 4, nodes: int = 16, width: int = 0) -> TopKTree:
+    """`load_drafter`'s `INNER+topk:k=K,nodes=N,width=W`."""
+    return TopKTree(inner=inner, k=k, nodes=nodes, width=width,
+                    name=f"{getattr(inner, 'name', 'drafter')}+topk")
