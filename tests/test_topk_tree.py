@@ -273,3 +273,14 @@ def test_eagle2_expansion_equals_the_brute_force_tree(k, width, nodes, depth, al
         st = rnd(st)
     if aligned:  # paths were accepted: later trees started from several path features
         assert int(np.asarray(st.stats.accepted).sum()) >= 4 * 4
+
+
+def test_drafter_lists_keep_a_tree_spec_whole():
+    """`bench --drafters` lists: a tree spec's own options (commas) stay with it."""
+    from jspec.specs import split_list
+
+    assert split_list("e+topk:k=4,nodes=12,width=2@3/4,ngram@3,early-exit:8,ngram:n=3,n_min=2") \
+        == ["e+topk:k=4,nodes=12,width=2@3/4", "ngram@3", "early-exit:8", "ngram:n=3,n_min=2"]
+    assert split_list("ngram,,smollm2-135m-eagle3@4") == ["ngram", "smollm2-135m-eagle3@4"]
+    # An option with nothing before it to attach to is kept as its own (then refused by name).
+    assert split_list("k=4,ngram") == ["k=4", "ngram"]
