@@ -177,7 +177,7 @@ def _aligned_eagle3(model):
     return eagle3.make(cfg, p, np.arange(v), model.weights)
 
 
-def _eagle2_reference(drafter, seq, cache_len, depth, k, width, n):
+def _eagle2_reference(model, drafter, seq, cache_len, depth, k, width, n):
     """The EAGLE-2 tree by brute force: every expanded node's children from the EAGLE-3
     training-time-test forward over the committed tokens followed by the node's path
     (`train_forward`, chain semantics), scores summed along the path, the n best kept.
@@ -193,7 +193,7 @@ def _eagle2_reference(drafter, seq, cache_len, depth, k, width, n):
         alt = seq.copy()
         for r in range(b):
             alt[r, cache_len[r] + 1: cache_len[r] + 1 + len(paths[r])] = paths[r]
-        feats = _target_features(_eagle2_reference.model, alt, drafter.cfg.feature_layers)
+        feats = _target_features(model, alt, drafter.cfg.feature_layers)
         hs = eagle3.train_forward(drafter.cfg, drafter.params, drafter.embed, jnp.asarray(alt),
                                   feats, steps=len(paths[0]) + 1)
         h = hs[-1][jnp.arange(b), jnp.asarray(cache_len) - 1]
@@ -250,7 +250,6 @@ def test_eagle2_expansion_equals_the_brute_force_tree(k, width, nodes, depth, al
 
     base = tiny_model("llama_tied_gqa2", seed=1)
     model = jspec.Model(config=base.config.replace(eos_ids=()), weights=base.weights)
-    _eagle2_reference.model = model
     inner = _aligned_eagle3(model) if aligned else _eagle3(model)
     tree = TopKTree(inner=inner, k=k, nodes=nodes, width=width)
     assert tree.caps.lookahead(depth) == min(nodes, k + (depth - 1) * width * k)
@@ -267,7 +266,7 @@ def test_eagle2_expansion_equals_the_brute_force_tree(k, width, nodes, depth, al
         ctx = DraftContext(seq=st.seq, cache_len=st.cache.lengths, last=st.last)
         prop, _ = tree.draft(st.drafter, ctx, depth, sampling, jax.random.key(1))
         got = _paths(prop.tokens, prop.parents)
-        want = _eagle2_reference(inner, np.asarray(st.seq), np.asarray(st.cache.lengths),
+        want = _eagle2_reference(model, inner, np.asarray(st.seq), np.asarray(st.cache.lengths),
                                  depth, k, width, tree.caps.lookahead(depth))
         assert got == want
         st = rnd(st)

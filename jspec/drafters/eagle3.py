@@ -221,7 +221,6 @@ class Eagle3(TrainedDrafter):
         return tokens, q, Eagle3State(ck=ck, cv=cv, pending=pend, conf=jnp.stack(confs, 1),
                                       vhat=vhat, hidden=jnp.stack(hs, axis=1))
 
-
     def draft_tree(self, state: Eagle3State, ctx: DraftContext, *, depth: int, k: int,
                    width: int, n: int) -> tuple[jax.Array, jax.Array, Eagle3State]:
         """An EAGLE-2-style tree of `depth` levels (`topk_tree.expand_tree`): (tokens
@@ -232,7 +231,8 @@ class Eagle3(TrainedDrafter):
         state was made with (depth - 1) * width of them); each attends to the committed context
         (slots <= p0) and to its own expanded ancestors, and is fed its parent's hidden state
         as the chain's step is. The drafter's context slots are left as a chain propose leaves
-        them: the next ingest overwrites everything past the committed length.
+        them: the next ingest overwrites everything past the committed length. A VAT `cut`
+        does not apply here (the tree's node budget decides what is verified).
         """
         cfg, p = self.cfg, self.params
         h0, ck, cv = self._ingest(state, ctx)

@@ -91,7 +91,7 @@ def load_drafter(name_or_path: str | os.PathLike, *, target: Any = None) -> Any:
     one (z-lab release layout), or one written by `python -m train export`
     (`jspec.drafters.interop`); a Hugging Face directory or .gguf file of a small Llama-family
     model with the target's tokenizer. `target` may be omitted for trained drafters (their target is
-    loaded by name). Any chain drafter followed by "+topk[:k=K,nodes=N]" proposes its top-k token
+    loaded by name). Any chain drafter followed by "+topk[:k=K,nodes=N,width=W]" proposes its top-k token
     tree instead (`jspec.drafters.topk_tree`; defaults k=4, nodes=16; an EAGLE-3 inner drafter
     grows it EAGLE-2 style, expanding `width` nodes per level, default k).
 
