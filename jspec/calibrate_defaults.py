@@ -3,12 +3,14 @@
 For each dtype: plain decoding and the drafter at every K on the same prompts (batch 1, greedy
 unless --temperature; per prompt every configuration in turn, each one warm-up call then one
 timed call; tokens / summed seconds). The best is the (dtype, K) with the most tokens/s; --save
-writes it as the user's `jspec.defaults` record, which `generate` then uses when not told.
+writes it as the user's `jspec.defaults` record for this machine class, which `generate` then
+uses when not told.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from typing import Any
 
@@ -20,6 +22,7 @@ import jspec
 from jspec import defaults
 from jspec.errors import JspecError
 from jspec.prompts import load_prompt_set
+from jspec.provenance import cpu_model, machine_class
 
 
 def timed(model: Any, ids: list[int], max_new: int, sampling: jspec.Sampling, key: jax.Array,
@@ -33,6 +36,15 @@ def timed(model: Any, ids: list[int], max_new: int, sampling: jspec.Sampling, ke
     out.tokens.block_until_ready()
     sec = time.perf_counter() - t0
     return int(np.asarray(out.lengths)[0]), sec, int(np.asarray(out.stats.rounds)[0])
+
+
+def batch_limit(faster: bool, prior: defaults.Record | None) -> int | None:
+    """The `max_batch` a batch-1 calibration records. It settles batch 1 only: slower than plain
+    decoding gives 0 (plain decoding at every batch); faster keeps the prior record's limit for
+    the larger batches it measured (none, or a prior 0 it has just overturned: no limit)."""
+    if not faster:
+        return 0
+    return prior.max_batch if prior is not None and prior.max_batch else None
 
 
 def main(args: argparse.Namespace) -> int:
@@ -76,13 +88,15 @@ def main(args: argparse.Namespace) -> int:
     dtype, k, tps, _ = max((r for r in results if r[1] > 0), key=lambda r: r[2])
     source = (f"python -m jspec calibrate --drafter {args.drafter} --prompts {args.prompts} "
               f"--max-new-tokens {args.max_new_tokens} --temperature {args.temperature}: "
-              f"{tps:.1f} tokens/s, {tps / plain:.2f}x the best plain decoding")
-    prior = defaults.lookup(args.drafter)  # batch-1 calibration keeps the record's batch limit
+              f"{tps:.1f} tokens/s, {tps / plain:.2f}x the best plain decoding "
+              f"({machine_class()} machine: {cpu_model()}, {os.cpu_count()} cores)")
     record = defaults.Record(k=k, dtype=dtype, source=source,
-                             max_batch=prior.max_batch if prior else 0)
-    print(f"best: k={k} {dtype} ({tps / plain:.2f}x)")
+                             max_batch=batch_limit(tps >= plain, defaults.lookup(args.drafter)))
+    print(f"best on this {machine_class()} machine: k={k} {dtype} ({tps / plain:.2f}x)")
     if tps < plain:
-        print("note: no configuration beat plain decoding on this machine", flush=True)
+        print("note: no configuration beat plain decoding on this machine; the record says so "
+              "(max_batch 0): given no --k / length=, `generate` with this drafter decodes "
+              "plainly", flush=True)
     if args.save:
         print(f"saved to {defaults.save(args.drafter, record)}")
     return 0

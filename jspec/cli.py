@@ -14,14 +14,16 @@ from jspec.errors import JspecError
 
 
 def _shipped_defaults() -> str:
-    """The shipped records, for --help: "smollm2-135m-eagle3: k=3 bfloat16, ..."."""
+    """The shipped records, for --help: "cpu-bf16: smollm2-135m-eagle3 k=3 bfloat16, ...; ..."."""
     try:
         data = defaults.read(defaults.SHIPPED)
     except JspecError:
         return "(unreadable)"
-    return ", ".join(f"{n}: k={r.get('k')} {r.get('dtype')}"
-                     + (f" up to batch {r['max_batch']}" if r.get("max_batch") else "")
-                     for n, r in data.items()) or "none"
+    return "; ".join(f"{cls}: " + ", ".join(
+        f"{n} plain {r.get('dtype')} (no k beat it)" if r.get("max_batch") == 0
+        else f"{n} k={r.get('k')} {r.get('dtype')}"
+        + (f" up to batch {r['max_batch']}" if r.get("max_batch") else "")
+        for n, r in table.items()) for cls, table in data.items()) or "none"
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -74,9 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "command line) instead of streaming text")
     g.add_argument("--dtype", choices=("float32", "bfloat16"),
                    help="weights/activations dtype (default: the drafter's measured-best "
-                        f"record, {_shipped_defaults()}; float32 without a drafter or a record). "
-                        "bfloat16 decodes ~1.2x "
-                        "faster on this CPU and verifies K tokens almost at the cost of one, "
+                        "record for this machine class (cpu-bf16: a CPU with AVX512-BF16/AMX or "
+                        "Arm BF16; cpu: one without; gpu; tpu; $JSPEC_MACHINE_CLASS overrides), "
+                        f"shipped: {_shipped_defaults()}; float32 without a drafter or a record). "
+                        "bfloat16 decodes ~1.2x faster than float32 on a cpu-bf16 machine (~0.7x "
+                        "on a cpu one) and verifies K tokens almost at the cost of one, "
                         "but a near-tie can round differently in the verify pass than in a "
                         "one-token step, so greedy speculative output may differ from greedy "
                         "decoding there (docs/BENCHMARKS.md)")
@@ -131,8 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time plain decoding and the drafter at every K in each dtype on real "
                     "prompts (batch 1; one warm-up and one timed call per prompt), print the "
                     "table and the best; --save makes it the default `generate` uses for this "
-                    "drafter (the user's jspec.defaults record: $JSPEC_DEFAULTS, else "
-                    "~/.config/jspec/defaults.json; it overrides the shipped record).")
+                    "drafter on this machine class (the user's jspec.defaults record: "
+                    "$JSPEC_DEFAULTS, else ~/.config/jspec/defaults.json; it overrides the "
+                    "shipped record of the class).")
     cd.add_argument("--model", default="smollm2-135m", help="target model (default smollm2-135m)")
     cd.add_argument("--drafter", required=True, help="drafter spec, as for generate --drafter")
     cd.add_argument("--ks", default="2,3,4,5", help="chain lengths to try (default 2,3,4,5)")
@@ -270,8 +275,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     import jspec  # noqa: PLC0415
     from jspec import launch  # noqa: PLC0415
-    from jspec.decode import stream  # noqa: PLC0415
-    from jspec.provenance import provenance  # noqa: PLC0415
+    from jspec.decode import plain_is_faster, stream  # noqa: PLC0415
+    from jspec.provenance import machine_class, provenance  # noqa: PLC0415
 
     # Before any other JAX call: join the other processes (under jspec.launch, or --distributed).
     launch.initialize(fallback=args.distributed)
@@ -301,6 +306,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     drafter = jspec.load_drafter(args.drafter, target=model) if args.drafter else None
     if mesh is not None:
         drafter = jspec.sharding.shard_drafter(drafter, mesh)
+    if drafter is not None and plain_is_faster(drafter, length, verifier, args.batch_size):
+        limit = drafter.caps.max_batch
+        where = ("at every batch" if limit == 0 else f"past batch {limit}")
+        print(f"note: on this {machine_class()} machine {args.drafter} was measured slower than "
+              f"plain decoding {where} (its jspec.defaults record), so this decodes plainly; "
+              f"pass --k to speculate anyway", file=sys.stderr)
     spec = dict(drafter=drafter, length=length, verifier=verifier if drafter else None, mesh=mesh)
     key = jax.random.key(args.seed)
     prov = provenance(dtype=args.dtype) if args.json else None  # machine, versions, command

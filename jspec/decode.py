@@ -177,7 +177,7 @@ def _prepare(model: Model, prompt_ids: Any, prompt_lengths: Any, attention_mask:
     ids, lengths = validate_prompts(model, prompt_ids, prompt_lengths, max_new_tokens, capacity,
                                     attention_mask=attention_mask, padding_side=padding_side)
     ids = pad_to_bucket(ids)
-    if _plain_is_faster(drafter, length, verifier, ids.shape[0]):
+    if plain_is_faster(drafter, length, verifier, ids.shape[0]):
         drafter, verifier = None, None
     key = jax.random.key(0) if key is None else key
     statics = _statics(model, ids, drafter, sampling, max_new_tokens, verifier, length, capacity,
@@ -188,13 +188,14 @@ def _prepare(model: Model, prompt_ids: Any, prompt_lengths: Any, attention_mask:
     return statics, args
 
 
-def _plain_is_faster(drafter: Any, length: Any, verifier: Any, batch: int) -> bool:
-    """No `length=` asked for, a batch past the drafter's measured `caps.max_batch` (0: no
-    limit), lossless verification: plain decoding is the faster way to the same distribution."""
+def plain_is_faster(drafter: Any, length: Any, verifier: Any, batch: int) -> bool:
+    """No `length=` asked for, a batch past the drafter's measured `caps.max_batch` (None: no
+    limit; 0: every batch), lossless verification: plain decoding is the faster way to the same
+    distribution."""
     if drafter is None or length is not None or not isinstance(drafter, Drafter):
         return False
     limit = drafter.caps.max_batch
-    return 0 < limit < batch and (verifier is None or isinstance(verifier, Lossless))
+    return limit is not None and batch > limit and (verifier is None or isinstance(verifier, Lossless))
 
 
 def _check_memory(weights: Weights, drafter: Any, verifier: Any, ids: jax.Array,

@@ -1,14 +1,19 @@
-"""The measured-best decoding configuration per drafter: what jspec uses when not told.
+"""The measured-best decoding configuration per drafter and machine class: what jspec uses when
+not told.
 
 `generate --drafter NAME` with no `--k`/`--length`/`--dtype`, and `jspec.generate(...,
-drafter=d)` with no `length=` (d from `load_drafter(NAME)`), use the record of NAME:
+drafter=d)` with no `length=` (d from `load_drafter(NAME)`), use the record of NAME for this
+machine's class (`jspec.provenance.machine_class()`: "cpu-bf16" for a CPU with bfloat16 matmul
+instructions, "cpu" for one without, "gpu", "tpu"; `$JSPEC_MACHINE_CLASS` overrides it):
   1. the user's record, written by `python -m jspec calibrate --drafter NAME --save` on their
      machine: `$JSPEC_DEFAULTS`, else `~/.config/jspec/defaults.json`;
-  2. the shipped record, `jspec/assets/defaults.json`, measured on the 2-core CPU these
-     drafters were trained on (docs/BENCHMARKS.md names the run);
+  2. the shipped record, `jspec/assets/defaults.json`, measured on 2-core CPUs of each class
+     (docs/BENCHMARKS.md names the runs);
   3. none: k = 5 (`FixedLength()`), and the CLI's float32.
-A record is keyed by the drafter spec's base name ("ngram" for "ngram:n=4", "smollm2-135m-eagle3"
-for "smollm2-135m-eagle3:cut=0.5"; a "+proposer" keeps its suffix: "smollm2-135m-eagle3+topk").
+A defaults file maps machine classes to records, each keyed by the drafter spec's base name
+("ngram" for "ngram:n=4", "smollm2-135m-eagle3" for "smollm2-135m-eagle3:cut=0.5"; a
+"+proposer" keeps its suffix: "smollm2-135m-eagle3+topk"):
+  {"cpu": {"ngram": {"k": 2, "dtype": "float32", "source": "..."}}, "cpu-bf16": {...}}
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from jspec.errors import JspecError
+from jspec.provenance import MACHINE_CLASSES, machine_class
 
 SHIPPED = Path(__file__).parent / "assets" / "defaults.json"
 DTYPES = ("float32", "bfloat16")
@@ -28,13 +34,13 @@ DTYPES = ("float32", "bfloat16")
 @dataclasses.dataclass(frozen=True)
 class Record:
     """k: drafted tokens per round; dtype: the target's dtype; max_batch: the largest batch at
-    which speculation beat plain decoding (0: no limit; past it `generate` with no `length=`
-    decodes plainly); source: where it was measured."""
+    which speculation beat plain decoding (None: no limit; 0: not even batch 1; past it
+    `generate` with no `length=` decodes plainly); source: where it was measured."""
 
     k: int = 5
     dtype: str = "float32"
     source: str = ""
-    max_batch: int = 0
+    max_batch: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or not 1 <= self.k <= 64:
@@ -42,9 +48,11 @@ class Record:
         if self.dtype not in DTYPES:
             raise JspecError(f"defaults record: dtype must be one of {DTYPES}, got "
                              f"{self.dtype!r}")
-        if not isinstance(self.max_batch, int) or self.max_batch < 0:
-            raise JspecError(f"defaults record: max_batch must be an integer >= 0 (0: no limit), "
-                             f"got {self.max_batch!r}")
+        if self.max_batch is not None and (not isinstance(self.max_batch, int)
+                                           or self.max_batch < 0):
+            raise JspecError(f"defaults record: max_batch must be null (no limit) or an integer "
+                             f">= 0 (0: plain decoding is faster at every batch), got "
+                             f"{self.max_batch!r}")
 
 
 def user_path() -> Path:
@@ -59,7 +67,8 @@ def base_name(spec: str) -> str:
     return key + plus + wrapper.split(":", 1)[0] if plus else key
 
 
-def read(path: Path) -> dict[str, Any]:
+def read(path: Path) -> dict[str, dict[str, Any]]:
+    """A defaults file as {machine class: {drafter key: raw record}} ({} when there is none)."""
     if not path.is_file():
         return {}
     try:
@@ -67,7 +76,15 @@ def read(path: Path) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError) as e:
         raise JspecError(f"cannot read the defaults file {path}: {e}") from e
     if not isinstance(data, dict):
-        raise JspecError(f"{path}: a defaults file is a JSON object of records")
+        raise JspecError(f"{path}: a defaults file is a JSON object of machine classes")
+    for cls, table in data.items():
+        if cls not in MACHINE_CLASSES or not isinstance(table, dict):
+            old = isinstance(table, dict) and "k" in table
+            raise JspecError(
+                f"{path}: a defaults file maps machine classes {MACHINE_CLASSES} to objects of "
+                f"records, got key {cls!r}" + (" (a record: this file was written by an older "
+                                               "jspec; rerun `python -m jspec calibrate --save` "
+                                               "or delete it)" if old else ""))
     return data
 
 
@@ -78,21 +95,24 @@ def _record(raw: Any, path: Path, key: str) -> Record:
     return Record(**raw)
 
 
-def lookup(spec: str) -> Record | None:
-    """The record for a drafter spec: the user's, else the shipped one, else None."""
-    key = base_name(spec)
+def lookup(spec: str, machine: str | None = None) -> Record | None:
+    """The record for a drafter spec on a machine class (default: this machine's): the user's,
+    else the shipped one, else None."""
+    key, cls = base_name(spec), machine or machine_class()
     for path in (user_path(), SHIPPED):
-        data = read(path)
-        if key in data:
-            return _record(data[key], path, key)
+        table = read(path).get(cls, {})
+        if key in table:
+            return _record(table[key], path, f"{cls}/{key}")
     return None
 
 
-def save(spec: str, record: Record, path: Path | None = None) -> Path:
-    """Write `record` for `spec` into the user's defaults file (other records kept)."""
+def save(spec: str, record: Record, path: Path | None = None,
+         machine: str | None = None) -> Path:
+    """Write `record` for `spec` on a machine class (default: this machine's) into the user's
+    defaults file (other records kept)."""
     path = user_path() if path is None else path
     data = read(path)
-    data[base_name(spec)] = dataclasses.asdict(record)
+    data.setdefault(machine or machine_class(), {})[base_name(spec)] = dataclasses.asdict(record)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")

@@ -14,6 +14,8 @@ from typing import Any
 import jax
 import jaxlib
 
+from jspec.errors import JspecError
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -26,6 +28,40 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+MACHINE_CLASSES = ("cpu", "cpu-bf16", "gpu", "tpu")
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 AVX512-BF16 / AMX; Arm's BF16 extension
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo "flags" on x86, "Features" on Arm; empty
+    elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("flags", "features")):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def machine_class() -> str:
+    """The class of machine a measured default belongs to: "tpu", "gpu", "cpu-bf16" (a CPU with
+    bfloat16 matmul instructions, where a bfloat16 target decodes faster) or "cpu" (where
+    bfloat16 is emulated and float32 is faster). `$JSPEC_MACHINE_CLASS` overrides it."""
+    env = os.environ.get("JSPEC_MACHINE_CLASS")
+    if env:
+        if env not in MACHINE_CLASSES:
+            raise JspecError(f"$JSPEC_MACHINE_CLASS must be one of {MACHINE_CLASSES}, got "
+                             f"{env!r}")
+        return env
+    backend = jax.default_backend()
+    if backend == "tpu":
+        return "tpu"
+    if backend != "cpu":
+        return "gpu"  # cuda / rocm
+    return "cpu-bf16" if cpu_flags() & set(_BF16_FLAGS) else "cpu"
 
 
 def _git_commit() -> str | None:
@@ -46,15 +82,17 @@ def provenance(dtype: str | None = None, argv: list[str] | None = None) -> dict[
       dtype: the target's dtype ("float32" / "bfloat16"), if the result has one.
       argv: the command line (default `sys.argv`, with the interpreter in front).
     Returns:
-      a JSON-ready dict: cpu, backend, device_kind, device_count, process_count, jax, jaxlib,
-      python, platform, dtype, command (shell-quoted), git_commit, xla_flags, time_utc.
+      a JSON-ready dict: cpu, cpu_count, machine_class, backend, device_kind, device_count,
+      process_count, jax, jaxlib, python, platform, dtype, command (shell-quoted), git_commit,
+      xla_flags, time_utc.
     """
     devs = jax.devices()
     args = list(sys.argv if argv is None else argv)
     if args and args[0].endswith("__main__.py"):  # `python -m pkg` shows as pkg/__main__.py
         args[:1] = ["-m", Path(args[0]).parent.name]
     cmd = [sys.executable, *args]
-    return {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "backend": jax.default_backend(),
+    return {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "machine_class": machine_class(),
+            "backend": jax.default_backend(),
             "device_kind": devs[0].device_kind, "device_count": len(devs),
             "process_count": jax.process_count(), "jax": jax.__version__,
             "jaxlib": jaxlib.__version__, "python": platform.python_version(),

@@ -12,7 +12,7 @@ import pytest
 from conftest import tiny_model
 
 import jspec
-from jspec import defaults
+from jspec import defaults, provenance
 from jspec.drafters.loading import SHIPPED
 from jspec.errors import JspecError
 
@@ -26,16 +26,58 @@ def test_base_name(spec, key):
     assert defaults.base_name(spec) == key
 
 
+@pytest.fixture
+def cpu_bf16(monkeypatch):
+    """Tests of the shipped records run as on the class they were first measured on."""
+    monkeypatch.setenv("JSPEC_MACHINE_CLASS", "cpu-bf16")
+
+
 def test_shipped_records_are_valid_and_name_shipped_drafters():
-    data = json.loads(defaults.SHIPPED.read_text())
-    assert data, "the shipped defaults file is empty"
-    for name, raw in data.items():
-        assert defaults.base_name(name).split("+")[0] in (*SHIPPED, "ngram"), name
-        rec = defaults.Record(**raw)
-        assert rec.source, f"{name}: a shipped record says where it was measured"
+    data = defaults.read(defaults.SHIPPED)  # checks the classes
+    assert {"cpu", "cpu-bf16"} <= set(data), "both CPU classes have measured records"
+    for cls, table in data.items():
+        for name, raw in table.items():
+            assert defaults.base_name(name).split("+")[0] in (*SHIPPED, "ngram"), name
+            rec = defaults.Record(**raw)
+            assert rec.source, f"{cls}/{name}: a shipped record says where it was measured"
+    # The newcomer's first command (`generate --drafter smollm2-135m-eagle3`) has a record on
+    # both CPU classes, and each dtype is the one measured faster on that class.
+    for cls, dtype in (("cpu", "float32"), ("cpu-bf16", "bfloat16")):
+        assert defaults.lookup("smollm2-135m-eagle3", machine=cls).dtype == dtype, cls
 
 
-def test_user_record_overrides_shipped_and_save_keeps_others(tmp_path, monkeypatch):
+@pytest.mark.parametrize("flags, cls", [
+    ({"avx2", "fma"}, "cpu"), ({"avx2", "avx512f", "avx512_bf16"}, "cpu-bf16"),
+    ({"avx512f", "amx_bf16", "amx_tile"}, "cpu-bf16"), ({"fp", "asimd", "bf16"}, "cpu-bf16"),
+    (set(), "cpu")])
+def test_machine_class_from_the_cpu_flags(monkeypatch, flags, cls):
+    monkeypatch.delenv("JSPEC_MACHINE_CLASS", raising=False)
+    monkeypatch.setattr(provenance, "cpu_flags", lambda: frozenset(flags))
+    assert provenance.machine_class() == cls  # this test process runs JAX on the CPU
+    monkeypatch.setenv("JSPEC_MACHINE_CLASS", "tpu")
+    assert provenance.machine_class() == "tpu"
+    monkeypatch.setenv("JSPEC_MACHINE_CLASS", "h200")
+    with pytest.raises(JspecError, match="JSPEC_MACHINE_CLASS must be one of"):
+        provenance.machine_class()
+
+
+def test_records_are_per_machine_class(tmp_path, monkeypatch):
+    """A record saved on one class is not used on another; each class falls back to its own
+    shipped record, and a class with neither has none."""
+    monkeypatch.setenv("JSPEC_DEFAULTS", str(tmp_path / "d.json"))
+    monkeypatch.setenv("JSPEC_MACHINE_CLASS", "cpu")
+    other = defaults.lookup("ngram", machine="cpu-bf16")
+    assert other is not None and other.k != 9
+    defaults.save("ngram", defaults.Record(k=9, dtype="float32", source="t"))
+    assert defaults.lookup("ngram").k == 9
+    assert defaults.lookup("ngram", machine="cpu-bf16") == other
+    monkeypatch.setenv("JSPEC_MACHINE_CLASS", "tpu")
+    assert defaults.lookup("ngram") is None
+    saved = json.loads((tmp_path / "d.json").read_text())
+    assert set(saved) == {"cpu"} and saved["cpu"]["ngram"]["k"] == 9
+
+
+def test_user_record_overrides_shipped_and_save_keeps_others(tmp_path, monkeypatch, cpu_bf16):
     path = tmp_path / "d.json"
     monkeypatch.setenv("JSPEC_DEFAULTS", str(path))
     shipped = defaults.lookup("smollm2-135m-eagle3")
@@ -50,19 +92,23 @@ def test_user_record_overrides_shipped_and_save_keeps_others(tmp_path, monkeypat
 
 @pytest.mark.parametrize("text, match", [
     ("[1, 2]", "JSON object"), ("{bad", "cannot read"),
-    ('{"ngram": {"k": 0, "dtype": "float32"}}', "k must be"),
-    ('{"ngram": {"k": 3, "dtype": "float16"}}', "dtype must be"),
-    ('{"ngram": {"k": 3, "dtype": "float32", "max_batch": -1}}', "max_batch must be"),
-    ('{"ngram": {"k": 3, "speed": 2}}', "must be an object")])
+    ('{"cpu": {"ngram": {"k": 0, "dtype": "float32"}}}', "k must be"),
+    ('{"cpu": {"ngram": {"k": 3, "dtype": "float16"}}}', "dtype must be"),
+    ('{"cpu": {"ngram": {"k": 3, "dtype": "float32", "max_batch": -1}}}', "max_batch must be"),
+    ('{"cpu": {"ngram": {"k": 3, "speed": 2}}}', "must be an object"),
+    ('{"h200": {}}', "maps machine classes"),
+    ('{"cpu": [1]}', "maps machine classes"),
+    ('{"ngram": {"k": 3, "dtype": "float32"}}', "older jspec")])
 def test_bad_user_file_is_a_clear_error(tmp_path, monkeypatch, text, match):
     path = tmp_path / "d.json"
     path.write_text(text)
     monkeypatch.setenv("JSPEC_DEFAULTS", str(path))
+    monkeypatch.setenv("JSPEC_MACHINE_CLASS", "cpu")
     with pytest.raises(JspecError, match=match):
         defaults.lookup("ngram")
 
 
-def test_generate_without_length_uses_the_drafters_recorded_k(tmp_path, monkeypatch):
+def test_generate_without_length_uses_the_drafters_recorded_k(tmp_path, monkeypatch, cpu_bf16):
     """A record's k reaches `caps.default_k` through load_drafter (shipped, then the user's
     overriding it), and `generate` with no length= verifies that many drafted tokens per round
     (Stats.accepted_at has one column per drafted position); an explicit length= still wins;
@@ -90,7 +136,7 @@ def test_generate_without_length_uses_the_drafters_recorded_k(tmp_path, monkeypa
     assert tree.caps.default_k == user_k  # a proposer without its own record keeps the inner's
 
 
-def test_generate_decodes_plainly_past_the_recorded_batch(tmp_path, monkeypatch):
+def test_generate_decodes_plainly_past_the_recorded_batch(tmp_path, monkeypatch, cpu_bf16):
     """A record's max_batch = 2 reaches `caps.max_batch` (also through a +topk proposer); with
     no length= a batch of 3 is decoded plainly (nothing drafted, the same greedy tokens), a
     batch of 2 speculates, and an explicit length= or a relaxed verifier keeps speculating."""
@@ -117,8 +163,24 @@ def test_generate_decodes_plainly_past_the_recorded_batch(tmp_path, monkeypatch)
     np.testing.assert_array_equal(np.asarray(forced.tokens), np.asarray(plain.tokens))
     relaxed = jspec.generate(model, ids, drafter=d, max_new_tokens=8, verifier=jspec.ASD())
     assert drafted(relaxed) > 0
-    unlimited = dataclasses.replace(d, max_batch=0)
+    unlimited = dataclasses.replace(d, max_batch=None)
     assert drafted(jspec.generate(model, ids, drafter=unlimited, max_new_tokens=8)) > 0
+    # max_batch 0 (measured slower than plain decoding even at batch 1): plain at every batch.
+    never = dataclasses.replace(d, max_batch=0)
+    one = jspec.generate(model, ids[:1], drafter=never, max_new_tokens=8)
+    assert drafted(one) == 0
+    np.testing.assert_array_equal(np.asarray(one.tokens), np.asarray(plain.tokens[:1]))
+    assert drafted(jspec.generate(model, ids[:1], drafter=never, max_new_tokens=8,
+                                  length=jspec.FixedLength(2))) > 0
+
+
+@pytest.mark.parametrize("faster, prior, limit", [
+    (False, None, 0), (False, 4, 0), (True, None, None), (True, 4, 4), (True, 0, None)])
+def test_calibrate_records_the_batch_limit_it_measured(faster, prior, limit):
+    from jspec.calibrate_defaults import batch_limit
+
+    rec = None if prior is None else defaults.Record(k=3, source="t", max_batch=prior)
+    assert batch_limit(faster, rec) == limit
 
 
 @pytest.mark.parametrize("argv, match", [

@@ -59,8 +59,9 @@ class Capabilities:
     default_k: the chain length `generate` uses when given no `length=` (for drafters loaded by
       name, the measured best of `jspec.defaults`).
     max_batch: the largest batch at which speculation was measured faster than plain decoding
-      (0: no limit); `generate` given no `length=` decodes a larger batch plainly (Lossless
-      verification only: the same output distribution, greedy the same tokens).
+      (None: no limit; 0: not even batch 1, so plain decoding is the measured best);
+      `generate` given no `length=` decodes a larger batch plainly (Lossless verification
+      only: the same output distribution, greedy the same tokens).
     """
 
     feature_layers: tuple[int, ...] = ()
@@ -72,7 +73,7 @@ class Capabilities:
     nodes: Callable[[int], int] | None = None
     expands: bool = False
     default_k: int = 5
-    max_batch: int = 0
+    max_batch: int | None = None
 
     def lookahead(self, k: int) -> int:
         """Cache slots a round writes beyond `last` for chain length k (its proposal's nodes)."""

@@ -158,7 +158,7 @@ class D2SD:
     branch_len: int = dataclasses.field(metadata=dict(static=True), default=1)
     name: str = dataclasses.field(metadata=dict(static=True), default="d2sd")
     default_k: int = dataclasses.field(metadata=dict(static=True), default=5)
-    max_batch: int = dataclasses.field(metadata=dict(static=True), default=0)
+    max_batch: int | None = dataclasses.field(metadata=dict(static=True), default=None)
 
     def __post_init__(self) -> None:
         if not isinstance(self.branches, int) or self.branches < 1:

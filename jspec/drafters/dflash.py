@@ -211,7 +211,7 @@ class DFlash(TrainedDrafter):
     cut: float = dataclasses.field(metadata=dict(static=True), default=0.0)
     name: str = dataclasses.field(metadata=dict(static=True), default="dflash")
     default_k: int = dataclasses.field(metadata=dict(static=True), default=5)
-    max_batch: int = dataclasses.field(metadata=dict(static=True), default=0)
+    max_batch: int | None = dataclasses.field(metadata=dict(static=True), default=None)
 
     def _write(self, ck, cv, feats, positions):
         """Context K/V of feats f32[B, T, F, D] written at consecutive positions i32[B, T]."""

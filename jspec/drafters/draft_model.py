@@ -35,7 +35,7 @@ class DraftModel(ChainDrafter):
     num_layers: int = dataclasses.field(metadata=dict(static=True), default=0)
     name: str = dataclasses.field(metadata=dict(static=True), default="draft")
     default_k: int = dataclasses.field(metadata=dict(static=True), default=5)
-    max_batch: int = dataclasses.field(metadata=dict(static=True), default=0)
+    max_batch: int | None = dataclasses.field(metadata=dict(static=True), default=None)
 
     @property
     def caps(self) -> Capabilities:

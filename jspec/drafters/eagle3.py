@@ -155,7 +155,7 @@ class Eagle3(TrainedDrafter):
     cut: float = dataclasses.field(metadata=dict(static=True), default=0.0)
     name: str = dataclasses.field(metadata=dict(static=True), default="eagle3")
     default_k: int = dataclasses.field(metadata=dict(static=True), default=5)
-    max_batch: int = dataclasses.field(metadata=dict(static=True), default=0)
+    max_batch: int | None = dataclasses.field(metadata=dict(static=True), default=None)
 
     def init_state(self, features: jax.Array, prompt_ids: jax.Array, prompt_lengths: jax.Array,
                    capacity: int, *, k: int, verify_width: int | None = None) -> Eagle3State:

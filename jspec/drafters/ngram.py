@@ -27,7 +27,7 @@ class NGram(ChainDrafter):
     n_max: int = 3
     n_min: int = 1
     default_k: int = 5
-    max_batch: int = 0
+    max_batch: int | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_min <= self.n_max:

@@ -67,7 +67,8 @@ class TopKTree:
     draft_temperature: float = dataclasses.field(metadata=dict(static=True), default=0.25)
     name: str = dataclasses.field(metadata=dict(static=True), default="topk-tree")
     default_k: int = dataclasses.field(metadata=dict(static=True), default=0)  # 0: inner's
-    max_batch: int = dataclasses.field(metadata=dict(static=True), default=-1)  # -1: inner's
+    max_batch: int | None = dataclasses.field(metadata=dict(static=True),
+                                              default=-1)  # -1: inner's
 
     def __post_init__(self) -> None:
         if not isinstance(self.inner, Drafter) or self.inner.caps.tree:
@@ -96,7 +97,7 @@ class TopKTree:
                             tree=True, nodes=functools.partial(tree_nodes, self.k, self.nodes,
                                                                self.expand_width),
                             default_k=self.default_k or c.default_k,
-                            max_batch=c.max_batch if self.max_batch < 0 else self.max_batch)
+                            max_batch=c.max_batch if self.max_batch == -1 else self.max_batch)
 
     def init_state(self, features: jax.Array | None, prompt_ids: jax.Array,
                    prompt_lengths: jax.Array, capacity: int, *, k: int,
