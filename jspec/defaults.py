@@ -82,9 +82,10 @@ def read(path: Path) -> dict[str, dict[str, Any]]:
             old = isinstance(table, dict) and "k" in table
             raise JspecError(
                 f"{path}: a defaults file maps machine classes {MACHINE_CLASSES} to objects of "
-                f"records, got key {cls!r}" + (" (a record: this file was written by an older "
-                                               "jspec; rerun `python -m jspec calibrate --save` "
-                                               "or delete it)" if old else ""))
+                f"records, got key {cls!r}" + (
+                    " (a record: the file was written by an older jspec, before records were "
+                    "kept per machine class; delete it and rerun `python -m jspec calibrate "
+                    "--save`)" if old else ""))
     return data
 
 
