@@ -14,7 +14,8 @@ import zipfile
 from pathlib import Path
 
 from jspec.errors import JspecError
-from jspec.models.registry import cache_dir, sha256
+from jspec.models.registry import sha256
+from jspec.paths import cache_dir
 
 MATH_INSTRUCTION = (" Think step by step, then give the final answer as a number on the last "
                     "line.")

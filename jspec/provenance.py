@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import shlex
@@ -34,9 +35,10 @@ MACHINE_CLASSES = ("cpu", "cpu-bf16", "gpu", "tpu")
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 AVX512-BF16 / AMX; Arm's BF16 extension
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (Linux /proc/cpuinfo "flags" on x86, "Features" on Arm; empty
-    elsewhere)."""
+    elsewhere); read once per process."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.lower().startswith(("flags", "features")):

@@ -379,11 +379,15 @@ def test_bfloat16_model(name):
     _close(_full(back, tokens).logits, ref, 1e-5)
 
 
-def test_bfloat16_one_row_matmul_is_padded_on_cpu_and_unchanged():
+def test_bfloat16_one_row_matmul_is_padded_on_cpu_and_unchanged(monkeypatch):
     """XLA:CPU's one-row bfloat16 matmul is slow, so `matmul` computes it as two rows (the
-    second zero) on CPU. The padded product equals the plain einsum, and a bfloat16 decode of
-    one token at a time (the padded path) agrees with the multi-token forward."""
+    second zero) on CPU where the small-M kernel is off (a `cpu-bf16` machine; forced off here).
+    The padded product equals the plain einsum, and a bfloat16 decode of one token at a time
+    (the padded path) agrees with the multi-token forward."""
+    from jspec.models import cpu_gemm
     from jspec.models.blocks import matmul
+
+    monkeypatch.setenv(cpu_gemm.ENV, "0")
 
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((1, 1, 64)), jnp.bfloat16)

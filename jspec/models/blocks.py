@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.models import cpu_gemm
 from jspec.models.cache import from_storage, write_slots
 from jspec.sharding import logical, shard_kernel
 from pallas_kernels.tree_attention import tree_attention
@@ -64,21 +65,36 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 # ----------------------------------------------------------------------------- projections
 def matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """f32[..., F]: einsum(spec, x [..., D], w) with float32 accumulation.
+    """f32[..., F]: einsum(spec, x [..., D], w) with float32 accumulation; spec is
+    "...d,df->...f" (w is (in, out)) or "...d,vd->...v" (w is (out, in): a tied LM head).
 
-    XLA:CPU runs a bfloat16 matmul with a single row on a slow path (measured here: ~8x a
-    float32 one, ~9x a two-row bfloat16 one), while two or more rows take its fast bfloat16
-    GEMM (a 2-16 token bfloat16 forward costs ~0.6-0.8x the float32 one;
-    scripts/cpu_matmul_rows.py, docs/BENCHMARKS.md). So a one-row bfloat16 product on CPU is computed
-    as two rows (the second zero) and the first kept: static shapes, no effect elsewhere.
+    On a CPU without bfloat16 matmul instructions, a product of a few rows (verifying K
+    drafted tokens, a small batch) goes to `cpu_gemm`'s kernel, which reads each weight once:
+    XLA:CPU's GEMM costs ~1.5x a one-row product at 2 rows and 2-3x at 4-8 rows there.
+
+    Elsewhere XLA:CPU runs a bfloat16 matmul with a single row on a slow path (measured on a
+    CPU with AVX512-BF16: ~8x a float32 one, ~9x a two-row bfloat16 one), while two or more rows
+    take its fast bfloat16 GEMM (scripts/cpu_matmul_rows.py, docs/BENCHMARKS.md). So there a
+    one-row bfloat16 product is computed as two rows (the second zero) and the first kept:
+    static shapes, no effect elsewhere.
     """
     lead = x.shape[:-1]
-    if (math.prod(lead) == 1 and w.dtype == jnp.bfloat16
-            and jax.default_backend() == "cpu"):
+    rows = math.prod(lead)
+    if spec not in _SPECS:
+        raise ValueError(f"matmul: unsupported spec {spec!r}")
+    if cpu_gemm.use_for(rows, w.dtype):
+        nt = spec == _NT
+        out = cpu_gemm.small_gemm(x.reshape(rows, x.shape[-1]), w, nt)
+        return out.reshape(*lead, out.shape[-1])
+    if rows == 1 and w.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
         x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
         out = jnp.einsum(spec.replace("...", "m"), x2, w, preferred_element_type=jnp.float32)
         return out[:1].reshape(*lead, out.shape[-1])
     return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+
+
+_NT = "...d,vd->...v"
+_SPECS = ("...d,df->...f", "...d,dv->...v", _NT)
 
 
 def dense(x: jax.Array, w: jax.Array) -> jax.Array:

