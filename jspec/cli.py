@@ -79,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "record for this machine class (cpu-bf16: a CPU with AVX512-BF16/AMX or "
                         "Arm BF16; cpu: one without; gpu; tpu; $JSPEC_MACHINE_CLASS overrides), "
                         f"shipped: {_shipped_defaults()}; float32 without a drafter or a record). "
-                        "bfloat16 decodes ~1.2x faster than float32 on a cpu-bf16 machine (~0.7x "
-                        "on a cpu one) and verifies K tokens almost at the cost of one, "
+                        "bfloat16 decodes ~1.2x faster than float32 on a cpu-bf16 machine (about "
+                        "as fast on a cpu one, through jspec's small-M CPU kernel) and verifies "
+                        "K tokens almost at the cost of one, "
                         "but a near-tie can round differently in the verify pass than in a "
                         "one-token step, so greedy speculative output may differ from greedy "
                         "decoding there (docs/BENCHMARKS.md)")

@@ -94,28 +94,35 @@ def test_real_json_output_and_drafter(real_model, tmp_path):
     assert outs[0]["token_ids"] == outs[1]["token_ids"]
     assert outs[1]["rounds"] <= outs[0]["rounds"]
     # With no --k / --dtype a drafter runs at its shipped record for the machine class
-    # (jspec.defaults): on cpu-bf16 ngram's bfloat16 and k; on cpu (no k beat plain decoding
-    # there: max_batch 0) plain float32 decoding, said on stderr.
+    # (jspec.defaults): on cpu-bf16 ngram's bfloat16 and k; on cpu its float32 and k; and a
+    # record saying plain decoding is faster (max_batch 0) decodes plainly, said on stderr.
     import os
 
     from jspec import defaults
 
-    def run(cls):
+    def run(cls, user=None):
+        env = {**os.environ, "JSPEC_MACHINE_CLASS": cls}
+        if user is not None:
+            env["JSPEC_DEFAULTS"] = str(user)
         proc = subprocess.run([sys.executable, "-m", "jspec", "generate", "--prompts-file",
                                str(f), "--json", "--max-new-tokens", "16", "--drafter", "ngram"],
-                              capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "JSPEC_MACHINE_CLASS": cls})
+                              capture_output=True, text=True, timeout=600, env=env)
         assert proc.returncode == 0, proc.stderr
         return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
     bf16 = defaults.lookup("ngram", machine="cpu-bf16")
     cpu = defaults.lookup("ngram", machine="cpu")
-    assert bf16.dtype == "bfloat16" and bf16.max_batch != 0 and cpu.max_batch == 0
+    assert bf16.dtype == "bfloat16" and cpu.dtype == "float32" and cpu.max_batch != 0
     rec, err = run("cpu-bf16")
     assert rec["provenance"]["dtype"] == "bfloat16" and "note:" not in err
     assert rec["provenance"]["machine_class"] == "cpu-bf16"
     rec, err = run("cpu")
     assert rec["provenance"]["dtype"] == "float32" and rec["provenance"]["machine_class"] == "cpu"
+    assert "note:" not in err and rec["token_ids"] == outs[0]["token_ids"]
+    assert rec["rounds"] < rec["new_tokens"]  # it speculated (this answer repeats its prompt)
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps({"cpu": {"ngram": {"k": 1, "dtype": "float32", "max_batch": 0}}}))
+    rec, err = run("cpu", plain)
     assert "note: on this cpu machine ngram was measured slower than plain decoding" in err
     assert rec["token_ids"] == outs[0]["token_ids"] and rec["mean_accepted"] == 1.0
 
