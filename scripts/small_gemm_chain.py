@@ -8,6 +8,7 @@ interleaved, median of 7 (ms). docs/BENCHMARKS.md "Small-M products on the CPU".
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -18,15 +19,10 @@ import numpy as np
 
 from jspec.models import cpu_gemm
 
-L, D, F, V = 30, 576, 1536, 49152
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cpu_matmul_layouts import D, F, L, chain  # the same chain of products
 
-
-def chain(fn):
-    @jax.jit
-    def f(x, ws):
-        return sum(fn(x, w).sum() for w in ws)
-
-    return f
+V = 49152
 
 
 def main() -> None:

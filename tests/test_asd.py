@@ -53,7 +53,7 @@ def test_gate_cap_budget_and_suffix_reuse():
 
 
 @pytest.mark.parametrize("asd", [jspec.ASD(budget=0), jspec.ASD(gate=0), jspec.ASD(cap=0)])
-@pytest.mark.parametrize("k", [2, 5])
+@pytest.mark.parametrize("k", [2, pytest.param(5, marks=pytest.mark.slow)])
 def test_zero_settings_reproduce_strict_greedy(asd, k):
     model = tiny_model("llama_tied_gqa2", seed=1)
     other = tiny_model("llama_tied_gqa2", seed=7)

@@ -162,8 +162,8 @@ def test_top_k_top_p_with_real_q(sampling):
                                      length=jspec.FixedLength(K)), min_tau=1.3)
 
 
-@pytest.mark.parametrize("sampling, min_tau", [(_T1, 1.2),
-                                               (jspec.Sampling(temperature=1.0, top_k=40), 1.1)],
+@pytest.mark.parametrize("sampling, min_tau", [
+    (_T1, 1.2), pytest.param(jspec.Sampling(temperature=1.0, top_k=40), 1.1, marks=pytest.mark.slow)],
                          ids=["T1", "T1-top_k40"])
 def test_eagle3_real_q(sampling, min_tau):
     """A trained-drafter code path (EAGLE-3: draft vocabulary, full-vocabulary q after the same

@@ -242,6 +242,7 @@ def test_parse_static():
 
 
 @pytest.mark.real
+@pytest.mark.slow
 def test_diversed_on_the_real_model(real_model):
     """SmolLM2-135M with the shipped EAGLE-3 drafter, a held-out math prompt (batch of 4 rows):
     w = 1 at T=0 is token-identical to autoregressive greedy; at T=1 (seeded, 4 rows x 48

@@ -79,7 +79,7 @@ def _assert_same_drafter(a, b):
     np.testing.assert_array_equal(np.asarray(a.embed), np.asarray(b.embed))
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+@pytest.mark.parametrize("kind", ["eagle3", pytest.param("dflash", marks=pytest.mark.slow)])
 def test_export_then_import_gives_bit_identical_drafts(tmp_path, kind):
     model, native = jspec_drafter(kind)
     interop.export_drafter(native, tmp_path, kind, target=model)

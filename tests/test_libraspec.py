@@ -137,6 +137,7 @@ def test_greedy_identity_with_dflash(policy):
         assert per_round.max() > drafter.block_tokens  # blocks beyond the first were drafted
 
 
+@pytest.mark.slow  # the exact-marginals test below checks the same exactness by default
 def test_distribution_equivalence_libraspec():
     """T=1, tiny model and tiny DFlash drafter, LibraSpec(n=3, d_max=10, α=4) so that rows
     verify different lengths (4..10 with max-probability confidences; α=300 left every row at

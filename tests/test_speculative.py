@@ -197,9 +197,9 @@ _T1, _T07P = jspec.Sampling(temperature=1.0), jspec.Sampling(temperature=0.7, to
 
 @pytest.mark.parametrize("sampling,drafter_name,acceptance_impl", [
     (_T1, "early-exit:1", "xla"), (_T1, "ngram", "xla"),
-    (_T07P, "early-exit:1", "xla"), (_T07P, "ngram", "xla"),
+    pytest.param(_T07P, "early-exit:1", "xla", marks=pytest.mark.slow), (_T07P, "ngram", "xla"),
     # Through the fused Pallas acceptance kernel (interpret mode on CPU; temperature only).
-    (_T1, "early-exit:1", "pallas"),
+    pytest.param(_T1, "early-exit:1", "pallas", marks=pytest.mark.slow),
     pytest.param(_T1, "ngram", "pallas", marks=pytest.mark.slow),
 ], ids=lambda v: v if isinstance(v, str) else f"T{v.temperature}-p{v.top_p}")
 def test_distribution_equivalence_tiny_model(sampling, drafter_name, acceptance_impl):

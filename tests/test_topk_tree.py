@@ -237,7 +237,9 @@ def _paths(tokens, parents):
 
 
 @pytest.mark.parametrize("aligned", [False, True])
-@pytest.mark.parametrize("k,width,nodes,depth", [(3, 2, 10, 3), (2, 1, 5, 4), (3, 3, 30, 3)])
+@pytest.mark.parametrize("k,width,nodes,depth", [
+    pytest.param(3, 2, 10, 3, marks=pytest.mark.slow), (2, 1, 5, 4),
+    pytest.param(3, 3, 30, 3, marks=pytest.mark.slow)])
 def test_eagle2_expansion_equals_the_brute_force_tree(k, width, nodes, depth, aligned):
     """The tiny EAGLE-3's EAGLE-2 tree (batched steps over the expanded nodes, tree slots past
     the capacity, ancestor masks) equals a brute-force tree built from the training forward

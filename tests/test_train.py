@@ -173,6 +173,7 @@ def test_training_smoke_and_loadable(tiny_data, kind):
     np.testing.assert_array_equal(sp.tokens, ar.tokens)
 
 
+@pytest.mark.slow
 def test_init_continues_from_a_trained_drafter(tiny_data):
     """`--init FILE`: the run starts from that drafter (its held-out evaluation at step 0 is the
     first run's final one, to float rounding), keeps its vocabulary and feature statistics, and
@@ -230,6 +231,7 @@ def test_draft_vocab_grows_a_kept_vocabulary_by_frequency():
         draft_vocab(rows, 1, (), keep=np.asarray([7, 8]))
 
 
+@pytest.mark.slow
 def test_bfloat16_matmuls_train_the_same_steps_to_rounding(tiny_data):
     """`--matmul-dtype bfloat16`: per-step losses within 2% of float32 over 3 steps, and not
     bit-equal (the flag reaches the matmuls)."""
@@ -244,6 +246,7 @@ def test_bfloat16_matmuls_train_the_same_steps_to_rounding(tiny_data):
     assert logs[1] != logs[0]
 
 
+@pytest.mark.slow  # tests/mesh_cases.py runs a train step of each kind on 2x4 by default
 def test_training_on_a_mesh_matches_one_device(tiny_data):
     """`--mesh 2x4` on 8 fake CPU devices: the same per-step losses as one device (3 steps,
     rtol 1e-4), and a loadable drafter."""
@@ -268,7 +271,7 @@ def test_training_on_a_mesh_matches_one_device(tiny_data):
 
 def test_sigkill_then_resume_equals_uninterrupted_run(tiny_data):
     tmp, _ = tiny_data
-    steps = 400
+    steps = 200
     ref = tmp / "ref"
     r = _run(_train_args(tmp, "dflash", ref, steps, ["--eval-every", "0"]))
     assert r.returncode == 0, r.stderr[-3000:]
