@@ -148,6 +148,8 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
     for i, e in enumerate(enc):
         padded[i, : len(e)] = e
     lengths = np.asarray([len(e) for e in enc], np.int32)
+    set_of = [r["set"] for r in rows]
+    sets = list(dict.fromkeys(set_of))
 
     ks = [int(k) for k in args.ks.split(",")]
     # "name@K1/K2" gives a drafter its own speculation lengths (e.g. DFlash's block - 1).
@@ -198,21 +200,30 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
                 length = policies[k] if isinstance(k, str) else jspec.FixedLength(k)
                 verifier = parsed[vname] if vname in parsed else Lossless()
                 kw.update(drafter=loaded[dname], length=length, verifier=verifier)
-            res = results.setdefault((temp, dname, k, vname), {"tps": [], "stats": None})
+            res = results.setdefault((temp, dname, k, vname),
+                                     {"tps": [], "stats": None,
+                                      "by_set": {p: {"tps": []} for p in sets}})
             if rep == 0:  # compile outside the timed region
                 jax.block_until_ready(
                     jspec.generate(run_model, padded[:1], lengths[:1], **kw).tokens)
             tot_tokens, tot_time = 0, 0.0
             agg = None
+            per_set = {p: [0, 0.0, 0, 0] for p in sets}  # tokens, seconds, rounds, emitted
             for i in range(len(enc)):
                 key = jax.random.key(1000 * rep + i)
                 t0 = time.perf_counter()
                 out = jspec.generate(run_model, padded[i:i + 1], lengths[i:i + 1], key=key,
                                      **kw)
                 n = int(out.lengths[0])
-                tot_time += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                tot_time += dt
                 tot_tokens += n
                 st = jax.device_get(out.stats)
+                ps = per_set[set_of[i]]
+                ps[0] += n
+                ps[1] += dt
+                ps[2] += int(st.rounds[0])
+                ps[3] += int(st.emitted[0])
                 if rep == 0:
                     outputs.setdefault((temp, dname, k, vname), []).append(
                         [int(t) for t in np.asarray(out.tokens[0, :n])])
@@ -226,6 +237,10 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
                 if bar:
                     bar.update(1)
             res["tps"].append(tot_tokens / tot_time)
+            for p, (n_tok, secs, n_rounds, n_emit) in per_set.items():
+                res["by_set"][p]["tps"].append(n_tok / secs)
+                if rep == 0:
+                    res["by_set"][p].update(tau=n_emit / max(n_rounds, 1), tokens=n_tok)
             if rep == 0:
                 res["stats"] = agg
                 res["tokens"] = tot_tokens
@@ -235,6 +250,9 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
     ar_best = {t: max(statistics.median(results[(t, d, 0, "lossless")]["tps"])
                       for d in (None, AR_FLOAT32) if (t, d, 0, "lossless") in results)
                for t in temps}
+    ar_best_set = {(t, p): max(statistics.median(results[(t, d, 0, "lossless")]["by_set"][p]["tps"])
+                               for d in (None, AR_FLOAT32) if (t, d, 0, "lossless") in results)
+                   for t in temps for p in sets}
     tree_c = {f"{d}@{k}": tree_cost(model, loaded[d], k, args.fill)  # c of a tree forward
               for d in drafters if loaded[d].caps.tree for k in drafter_ks[d]}
     hf_rows = _hf_speculative_rows(args, model, enc, drafters) if 0.0 in temps else []
@@ -260,6 +278,11 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
                "oracle": oracle / max(rounds, 1) if dynamic else None,
                "oracle_gap": gap / max(rounds, 1) if dynamic else None,
                "new_tokens": res["tokens"], **quality.get((temp, dname, k, vname), {})}
+        row["by_set"] = {p: {"tokens_per_s": statistics.median(b["tps"]),
+                             "speedup_over_best_ar":
+                                 statistics.median(b["tps"]) / ar_best_set[(temp, p)],
+                             "tau": b["tau"] if spec else 1.0, "new_tokens": b["tokens"]}
+                         for p, b in res["by_set"].items()}
         out_rows.append(row)
         q = quality.get((temp, dname, k, vname), {})
         ar_rate = row["acceptance_rate"]
@@ -291,6 +314,17 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
                  ["T", "drafter", "K", "mean d", "|d-oracle|", "verifier", "tokens/s",
                   "speedup", "vs best AR", "tau", "accept",
                   "acceptance by position", "changed", "NLL/token", "TV/token", "score"], table)
+    if len(sets) > 1:
+        print_table("By prompt set (the rows above, split; speedup against the fastest "
+                    "autoregressive row on the same set)",
+                    ["T", "drafter", "K", "verifier",
+                     *[f"{p}: {c}" for p in sets for c in ("tokens/s", "vs best AR", "tau")]],
+                    [[f"{r['temperature']:g}", r["drafter"], r["k"] or "-", r["verifier"],
+                      *[v for p in sets for v in (
+                          f"{r['by_set'][p]['tokens_per_s']:.1f}",
+                          f"{r['by_set'][p]['speedup_over_best_ar']:.2f}x",
+                          f"{r['by_set'][p]['tau']:.2f}")]]
+                     for r in out_rows if "by_set" in r])
     return {"prompts": args.prompts, "dtype": args.dtype, "rows": out_rows, "rho_8": cost["c"][8],
             "cost": cost, "tree_c": tree_c, "new_tokens": args.new_tokens,
             "repeats": args.repeats}

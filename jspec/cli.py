@@ -146,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="target dtypes to try (default bfloat16,float32)")
     cd.add_argument("--prompts", default="humaneval:8-16",
                     help="prompt set and range (default humaneval:8-16: held out from the "
-                         "drafters' training and disjoint from the benchmarks' 0-7)")
+                         "drafters' training and disjoint from the benchmarks' 0-7); several "
+                         "joined by commas, e.g. humaneval:8-16,gsm8k:8-16")
     cd.add_argument("--max-new-tokens", type=int, default=96,
                     help="tokens per prompt (default 96)")
     cd.add_argument("--temperature", type=float, default=0.0,
@@ -211,7 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "pass@1 with unit tests run sandboxed, 5 s timeout; exact answer for "
                         "math sets) and, at T=0, outputs changed vs autoregressive greedy")
     b.add_argument("--prompts", default="humaneval:8",
-                   help="prompt set and range, e.g. humaneval:8 or humaneval:100-164")
+                   help="prompt set and range, e.g. humaneval:8 or humaneval:100-164; several "
+                        "joined by commas (e.g. humaneval:0-8,gsm8k:0-8,mtbench:60-68) run together, with "
+                        "a second table by set")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--batch-sizes", default="",
                    help="comma-separated batch sizes, e.g. 1,4,16,64: batched greedy generation "

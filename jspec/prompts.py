@@ -164,7 +164,18 @@ def alpaca() -> list[dict[str, str]]:
 
 
 def load_prompt_set(spec: str) -> list[dict[str, str]]:
-    """`name[:N]` or `name[:A-B]`: e.g. "humaneval:8" (the first 8), "humaneval:100-164"."""
+    """`name[:N]` or `name[:A-B]`: e.g. "humaneval:8" (the first 8), "humaneval:100-164"; several
+    joined by commas ("humaneval:0-8,gsm8k:0-8") give their rows in that order. Every row's
+    "set" is the part of `spec` it came from."""
+    parts = [p.strip() for p in spec.split(",")]
+    if "" in parts:
+        raise JspecError(f"empty prompt set in {spec!r}: use e.g. humaneval:0-8,gsm8k:0-8")
+    if len(set(parts)) < len(parts):
+        raise JspecError(f"prompt set named twice in {spec!r}")
+    return [row for part in parts for row in _load_one(part)]
+
+
+def _load_one(spec: str) -> list[dict[str, str]]:
     name, _, rng = spec.partition(":")
     sets = {"humaneval": humaneval, "math": math_problems, "gsm8k": gsm8k, "mtbench": mtbench,
             "alpaca": alpaca}
@@ -182,4 +193,4 @@ def load_prompt_set(spec: str) -> list[dict[str, str]]:
             raise JspecError(f"bad prompt range {rng!r} in {spec!r}: use N or A-B") from e
     if not rows:
         raise JspecError(f"prompt set {spec!r} is empty")
-    return rows
+    return [{**r, "set": spec} for r in rows]
