@@ -3,7 +3,7 @@
 from jspec import sharding
 from jspec.decode import generate, stream
 from jspec.drafters import DraftModel, NGram, load_drafter
-from jspec.errors import JspecError, ModelLoadError
+from jspec.errors import JspecError, ModelLoadError, PlainDecodingWarning
 from jspec.length import FixedLength, LibraSpec
 from jspec.models import Chain, KVCache, Model, ModelConfig, Tree, Weights, forward, load_model
 from jspec.sampling import Sampling
@@ -26,6 +26,7 @@ __all__ = [
            "ModelConfig",
            "ModelLoadError",
            "NGram",
+           "PlainDecodingWarning",
            "Sampling",
            "SpecState",
            "Stats",

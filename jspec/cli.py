@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -316,6 +317,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"note: on this {machine_class()} machine {args.drafter} was measured slower than "
               f"plain decoding {where} (its jspec.defaults record), so this decodes plainly; "
               f"pass --k to speculate anyway", file=sys.stderr)
+        warnings.filterwarnings("ignore", category=jspec.PlainDecodingWarning)  # said above
     spec = dict(drafter=drafter, length=length, verifier=verifier if drafter else None, mesh=mesh)
     key = jax.random.key(args.seed)
     prov = provenance(dtype=args.dtype) if args.json else None  # machine, versions, command

@@ -11,6 +11,7 @@ rules-table layout; the round functions themselves are the single-device code
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import jax
@@ -18,7 +19,7 @@ from jax.sharding import Mesh
 
 from jspec import memory, sharding
 from jspec.drafters.base import Drafter
-from jspec.errors import JspecError
+from jspec.errors import JspecError, PlainDecodingWarning
 from jspec.inputs import pad_to_bucket, validate_prompts
 from jspec.length import FixedLength, LibraSpec
 from jspec.models.config import ModelConfig
@@ -178,6 +179,13 @@ def _prepare(model: Model, prompt_ids: Any, prompt_lengths: Any, attention_mask:
                                     attention_mask=attention_mask, padding_side=padding_side)
     ids = pad_to_bucket(ids)
     if plain_is_faster(drafter, length, verifier, ids.shape[0]):
+        limit = drafter.caps.max_batch
+        where = "at every batch size" if limit == 0 else f"past batch {limit}"
+        warnings.warn(PlainDecodingWarning(
+            f"decoding plainly: this drafter's measured record says plain decoding is faster "
+            f"{where} on this machine class (caps.max_batch = {limit}; batch {ids.shape[0]}); "
+            f"the output distribution is the same. Pass length=jspec.FixedLength(k) to "
+            f"speculate anyway, or re-measure with `python -m jspec calibrate`."), stacklevel=3)
         drafter, verifier = None, None
     key = jax.random.key(0) if key is None else key
     statics = _statics(model, ids, drafter, sampling, max_new_tokens, verifier, length, capacity,

@@ -9,3 +9,9 @@ class JspecError(ValueError):
 
 class ModelLoadError(JspecError):
     """A model or drafter could not be found, read or understood."""
+
+
+class PlainDecodingWarning(UserWarning):
+    """A drafter was given but jspec decodes plainly: its measured record (`jspec.defaults`,
+    `caps.max_batch`) says plain decoding is faster for this batch on this machine class. The
+    output distribution is the same; pass `length=` to speculate anyway."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -152,12 +153,17 @@ def test_generate_decodes_plainly_past_the_recorded_batch(tmp_path, monkeypatch,
         return int(np.sum(np.asarray(out.stats.drafted)))
 
     plain = jspec.generate(model, ids, max_new_tokens=8)
-    auto = jspec.generate(model, ids, drafter=d, max_new_tokens=8)
+    # The fallback is never silent: a PlainDecodingWarning names the limit and the way out.
+    with pytest.warns(jspec.PlainDecodingWarning, match="past batch 2.*FixedLength"):
+        auto = jspec.generate(model, ids, drafter=d, max_new_tokens=8)
     assert drafted(auto) == 0
-    assert drafted(jspec.generate(model, ids, drafter=d, max_new_tokens=8,
-                                  verifier=jspec.Lossless())) == 0
+    with pytest.warns(jspec.PlainDecodingWarning):
+        assert drafted(jspec.generate(model, ids, drafter=d, max_new_tokens=8,
+                                      verifier=jspec.Lossless())) == 0
     np.testing.assert_array_equal(np.asarray(auto.tokens), np.asarray(plain.tokens))
-    assert drafted(jspec.generate(model, ids[:2], drafter=d, max_new_tokens=8)) > 0
+    with warnings.catch_warnings():  # speculating: no warning
+        warnings.simplefilter("error", jspec.PlainDecodingWarning)
+        assert drafted(jspec.generate(model, ids[:2], drafter=d, max_new_tokens=8)) > 0
     forced = jspec.generate(model, ids, drafter=d, max_new_tokens=8, length=jspec.FixedLength(2))
     assert drafted(forced) > 0
     np.testing.assert_array_equal(np.asarray(forced.tokens), np.asarray(plain.tokens))
@@ -167,7 +173,8 @@ def test_generate_decodes_plainly_past_the_recorded_batch(tmp_path, monkeypatch,
     assert drafted(jspec.generate(model, ids, drafter=unlimited, max_new_tokens=8)) > 0
     # max_batch 0 (measured slower than plain decoding even at batch 1): plain at every batch.
     never = dataclasses.replace(d, max_batch=0)
-    one = jspec.generate(model, ids[:1], drafter=never, max_new_tokens=8)
+    with pytest.warns(jspec.PlainDecodingWarning, match="at every batch size"):
+        one = jspec.generate(model, ids[:1], drafter=never, max_new_tokens=8)
     assert drafted(one) == 0
     np.testing.assert_array_equal(np.asarray(one.tokens), np.asarray(plain.tokens[:1]))
     assert drafted(jspec.generate(model, ids[:1], drafter=never, max_new_tokens=8,
