@@ -110,7 +110,8 @@ def test_when_matmul_uses_it(monkeypatch):
     assert cpu_gemm.use_for(2, f32) and cpu_gemm.use_for(16, f32)
     assert not cpu_gemm.use_for(1, f32)  # XLA's matrix-vector product is as fast
     assert cpu_gemm.use_for(1, bf16)  # XLA's one-row bfloat16 product is emulated and slow
-    assert not cpu_gemm.use_for(17, f32) and not cpu_gemm.use_for(2, jnp.float16)
+    assert cpu_gemm.use_for(17, f32) and cpu_gemm.use_for(cpu_gemm.MAX_ROWS, f32)  # 17-node trees
+    assert not cpu_gemm.use_for(cpu_gemm.MAX_ROWS + 1, f32) and not cpu_gemm.use_for(2, jnp.float16)
     monkeypatch.setattr(cpu_gemm, "machine_class", lambda: "cpu-bf16")
     assert not cpu_gemm.use_for(4, f32)  # not measured there: XLA
     monkeypatch.setenv(cpu_gemm.ENV, "1")
