@@ -8,9 +8,9 @@
 // Why: verifying K drafted tokens (or a token tree) multiplies 2-32 rows by every weight
 // matrix. XLA:CPU (and OpenBLAS) run such products as packed GEMMs that cost about twice a
 // one-row product at M = 2 and three times at M = 4 on a 2-core AVX2 machine, so a verify
-// pass cost what several decode steps cost. These loops read each weight once per call, keep the rows' partial sums in
-// registers or L1, and split the output columns over XLA's intra-op thread pool; a product of
-// up to a few rows then costs about what reading the weights costs.
+// pass cost what several decode steps cost. These loops read each weight once per call, keep
+// the rows' partial sums in registers or L1, and split the output columns over XLA's intra-op
+// thread pool; a product of up to a few rows then costs about what reading the weights costs.
 //
 // Portable: GCC/Clang vector extensions (8 floats), compiled for the host (-march=native) on
 // first use; AVX2+FMA on x86-64, NEON on Arm. Leading (batch) dims: x and w have the same rank
