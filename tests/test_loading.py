@@ -5,6 +5,11 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import gguf
 import jax
@@ -25,6 +30,7 @@ from jspec.models.loading import (
 )
 from jspec.models.model import Model
 
+PATHS_PY = Path(jspec.__file__).parent / "paths.py"
 T = 8
 TOKENS = np.array([[3, 17, 42, 5, 96, 0, 61, 8]], np.int32)
 
@@ -447,3 +453,39 @@ def test_hf_dir_missing_tensor(hf_dir):
     _rewrite_tensors(hf_dir, lambda t: t.pop(name))
     with pytest.raises(jspec.ModelLoadError, match=rf"missing tensor {name}"):
         jspec.load_model(hf_dir)
+
+
+def test_cache_lock_serializes_processes(tmp_path):
+    """Four processes take `cache_lock` on the same entry and each writes `start`, sleeps, then
+    `end` to one file: with the lock the lines come in start/end pairs of one process; without
+    it (`broken`: the same processes, no lock) they interleave, so the check can fail."""
+    log = tmp_path / "log"
+    # jspec/paths.py is a leaf module: loaded by file, each process starts in milliseconds, and
+    # all four wait for one common start time.
+    code = ("import contextlib, importlib.util, os, sys, time\n"
+            f"spec = importlib.util.spec_from_file_location('paths', {str(PATHS_PY)!r})\n"
+            "paths = importlib.util.module_from_spec(spec); spec.loader.exec_module(paths)\n"
+            "lock = contextlib.nullcontext() if sys.argv[1] == 'broken' else paths.cache_lock('t')\n"
+            "time.sleep(max(0.0, float(sys.argv[3]) - time.time()))\n"
+            "with lock:\n"
+            "    with open(sys.argv[2], 'a') as f: f.write(f'start {os.getpid()}\\n')\n"
+            "    time.sleep(0.3)\n"
+            "    with open(sys.argv[2], 'a') as f: f.write(f'end {os.getpid()}\\n')\n")
+    env = dict(os.environ, JSPEC_CACHE=str(tmp_path / "cache"))
+
+    def run(mode):
+        log.write_text("")
+        start = str(time.time() + 2.0)
+        procs = [subprocess.Popen([sys.executable, "-c", code, mode, str(log), start], env=env)
+                 for _ in range(4)]
+        assert all(p.wait(timeout=120) == 0 for p in procs)
+        lines = log.read_text().split()
+        return [(lines[i], lines[i + 1]) for i in range(0, len(lines), 2)]
+
+    pairs = run("locked")
+    assert len(pairs) == 8
+    assert all(pairs[i][0] == "start" and pairs[i + 1] == ("end", pairs[i][1])
+               for i in range(0, 8, 2))
+    pairs = run("broken")
+    assert not all(pairs[i][0] == "start" and pairs[i + 1] == ("end", pairs[i][1])
+                   for i in range(0, 8, 2))

