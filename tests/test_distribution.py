@@ -162,15 +162,21 @@ def test_top_k_top_p_with_real_q(sampling):
                                      length=jspec.FixedLength(K)), min_tau=1.3)
 
 
-@pytest.mark.parametrize("sampling, min_tau", [
-    (_T1, 1.2), pytest.param(jspec.Sampling(temperature=1.0, top_k=40), 1.1, marks=pytest.mark.slow)],
-                         ids=["T1", "T1-top_k40"])
-def test_eagle3_real_q(sampling, min_tau):
+@pytest.mark.parametrize("sampling, min_tau, q_temperature", [
+    (_T1, 1.2, 1.0),
+    pytest.param(jspec.Sampling(temperature=1.0, top_k=40), 1.1, 1.0, marks=pytest.mark.slow),
+    (_T1, 1.1, 0.5)], ids=["T1", "T1-top_k40", "T1-qtemp0.5"])
+def test_eagle3_real_q(sampling, min_tau, q_temperature):
     """A trained-drafter code path (EAGLE-3: draft vocabulary, full-vocabulary q after the same
     filtering) verified with its real q at K = 3. ROWS = 4096 per side, α = 0.01 (Holm over
     t = 1..4), keys 1 / 2 / 3; τ > 1.2 at T = 1 (≈ 1.27), > 1.1 with top-k 40 (≈ 1.15; a
-    top-k of 10 leaves the random drafter's q almost disjoint from p)."""
+    top-k of 10 leaves the random drafter's q almost disjoint from p), > 1.1 with the drafter's
+    q sharpened (`q_temperature` 0.5: q = softmax(z / 0.5), no longer the drafter's own
+    distribution, still lossless)."""
     model, drafter = tiny_eagle3()
+    if q_temperature != 1.0:
+        drafter = dataclasses.replace(drafter, cfg=dataclasses.replace(
+            drafter.cfg, q_temperature=q_temperature))
     _assert_lossless(*check_lossless(model, sampling, drafter=drafter,
                                      length=jspec.FixedLength(K)), min_tau=min_tau)
 

@@ -574,3 +574,18 @@ def test_bfloat16_safetensors_read_without_torch(tmp_path):
     back = interop.read_safetensors(tmp_path / "t.safetensors")
     np.testing.assert_array_equal(back["x"].astype(np.float32), a)
     assert back["i"].dtype == np.int64
+
+
+def test_export_keeps_the_q_temperature(tmp_path):
+    """A drafter's fitted q temperature travels in the export's jspec section and comes back;
+    at 1 (the default) the section does not carry it."""
+    model, native = jspec_drafter("eagle3")
+    sharp = dataclasses.replace(native, cfg=dataclasses.replace(native.cfg, q_temperature=0.7))
+    interop.export_drafter(sharp, tmp_path / "sharp", "eagle3", target=model)
+    assert json.loads((tmp_path / "sharp" / "config.json").read_text())["jspec"][
+        "q_temperature"] == 0.7
+    assert jspec.load_drafter(str(tmp_path / "sharp"), target=model).cfg.q_temperature == 0.7
+    interop.export_drafter(native, tmp_path / "plain", "eagle3", target=model)
+    assert "q_temperature" not in json.loads(
+        (tmp_path / "plain" / "config.json").read_text()).get("jspec", {})
+    assert jspec.load_drafter(str(tmp_path / "plain"), target=model).cfg.q_temperature == 1.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -171,6 +172,22 @@ def test_training_smoke_and_loadable(tiny_data, kind):
     sp = jspec.generate(model, ids, np.asarray([4]), max_new_tokens=12, drafter=drafter,
                         length=jspec.FixedLength(3))
     np.testing.assert_array_equal(sp.tokens, ar.tokens)
+    # `qtemp` fits its q temperature on the held-out shards and writes it into a copy.
+    fitted = out / "fitted.safetensors"
+    r = _run(["qtemp", "--drafter", str(out / f"{kind}.safetensors"), "--model",
+              str(tmp / "target"), "--data", str(tmp / "data"), "--scales", "0.5,1,2", "--out",
+              str(fitted)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {ln.split("|")[1].strip().removesuffix(" (best)"): float(ln.split("|")[3])
+            for ln in r.stdout.splitlines() if ln.startswith("| ") and ln[2].isdigit()}
+    assert set(rows) == {"0.5", "1", "2"} and all(1.0 <= v <= 1.0 + cfg.block for v in
+                                                   rows.values()), r.stdout
+    best = max(rows, key=rows.get)
+    cfg2, p2, v2 = load_drafter_file(fitted)
+    assert cfg2 == dataclasses.replace(cfg, q_temperature=float(best))
+    np.testing.assert_array_equal(v2, vocab)
+    p1 = to_flat(load_drafter_file(out / f"{kind}.safetensors")[1])
+    assert all(np.array_equal(np.asarray(a), np.asarray(p1[k])) for k, a in to_flat(p2).items())
 
 
 @pytest.mark.slow
@@ -310,7 +327,7 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tiny_data):
 
 
 def test_help_documents_every_flag():
-    for cmd in ("datagen", "eagle3", "dflash", "diversed", "d2sd"):
+    for cmd in ("datagen", "eagle3", "dflash", "diversed", "d2sd", "qtemp"):
         r = _run([cmd, "--help"])
         assert r.returncode == 0
         for flag in ("--out", "--seed"):

@@ -246,3 +246,24 @@ def test_choose_in_the_draft_vocabulary_equals_the_full_vocabulary(sampling):
     np.testing.assert_allclose(np.asarray(conf), np.asarray(q).max(-1), atol=1e-6)
     assert np.isin(np.asarray(tok), np.asarray(vocab)).all()
     assert (np.take_along_axis(np.asarray(q), np.asarray(tok)[..., None], -1) > 0).all()
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_q_temperature_sharpens_the_sampled_q(kind):
+    """With `cfg.q_temperature` s a drafter's q at T > 0 is softmax(z / (T s)): from the same
+    state and key, the first position's q of s = 0.5 is the s = 1 q raised to the power 2 and
+    renormalised (and differs from it); greedy drafts do not change."""
+    model, drafter = tiny_drafter(kind)
+    st, _ = _rounds_with_drafts(model, drafter, 3, 2)
+    ctx = DraftContext(seq=st.seq, cache_len=st.cache.lengths, last=st.last)
+    sharp = dataclasses.replace(drafter, cfg=dataclasses.replace(drafter.cfg, q_temperature=0.5))
+    sampling = Sampling(temperature=0.8)
+    _, q1, _ = drafter.propose(st.drafter, ctx, 3, sampling, jax.random.key(7))
+    _, q2, _ = sharp.propose(st.drafter, ctx, 3, sampling, jax.random.key(7))
+    q1, q2 = np.asarray(q1[:, 0], np.float64), np.asarray(q2[:, 0], np.float64)
+    want = q1 ** 2 / np.sum(q1 ** 2, axis=-1, keepdims=True)
+    np.testing.assert_allclose(q2, want, atol=1e-5)
+    assert np.abs(q2 - q1).max() > 1e-2
+    g1, _, _ = drafter.propose(st.drafter, ctx, 3, Sampling(), jax.random.key(7))
+    g2, _, _ = sharp.propose(st.drafter, ctx, 3, Sampling(), jax.random.key(7))
+    np.testing.assert_array_equal(np.asarray(g1), np.asarray(g2))

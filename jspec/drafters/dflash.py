@@ -300,7 +300,7 @@ class DFlash(TrainedDrafter):
                           jnp.ones((b, gamma, gamma), bool))
         h = h[:, 1:]  # [B, k, D]
         tokens, q, conf = choose(draft_logits(cfg, p, self.head, h), self.vocab_ids, sampling,
-                                 key)
+                                 key, cfg.q_temperature)
         return h, tokens, q, conf
 
     def extend(self, state: DFlashState, ctx: DraftContext, anchor: jax.Array,

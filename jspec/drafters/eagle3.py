@@ -204,7 +204,7 @@ class Eagle3(TrainedDrafter):
         toks, qs, confs, vh, hs = [], [], [], [], []
         for j in range(k):
             t, q, c = choose(draft_logits(cfg, p, self.head, h), self.vocab_ids, sampling,
-                             keys[j])
+                             keys[j], cfg.q_temperature)
             toks.append(t[:, 0])
             qs.append(None if q is None else q[:, 0])
             confs.append(c[:, 0])

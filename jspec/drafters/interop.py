@@ -158,7 +158,8 @@ def _jspec_section(f: _Fields, path: Path) -> tuple[dict[str, Any], dict[str, np
     out = {"feature_norm": j.get("feature_norm", str, "none"),
            "target": j.get("target", str, ""), "vat": j.get("vat", bool, False),
            "block": j.get("block", int), "qk_norm": j.get("qk_norm", bool),
-           "block_input": j.get("block_input", str)}
+           "block_input": j.get("block_input", str),
+           "q_temperature": j.get("q_temperature", float, 1.0)}
     j.get("format", int)
     extra_name = j.get("extra_tensors", str)
     j.finish()
@@ -255,6 +256,7 @@ def _read_eagle3(path: Path, cfg: dict[str, Any], target_config: Any
                          head_dim=hd, ffn_size=ffn, num_layers=1, feature_layers=layers,
                          draft_vocab=vd, target_vocab=v, rope_theta=theta, rms_eps=eps,
                          block=js["block"] or 1, target=js["target"], vat=js["vat"],
+                         q_temperature=js["q_temperature"],
                          feature_norm=js["feature_norm"], rope_scaling=scaling,
                          norm_before_residual=nbr)
     return dcfg, p, vocab, None if embed is None else _f32(embed), head
@@ -347,6 +349,7 @@ def _read_dflash(path: Path, cfg: dict[str, Any], target_config: Any
                          head_dim=hd, ffn_size=ffn, num_layers=n_layers, feature_layers=layers,
                          draft_vocab=vd, target_vocab=v, rope_theta=theta, rms_eps=eps,
                          block=block, target=js["target"], vat=js["vat"],
+                         q_temperature=js["q_temperature"],
                          feature_norm=js["feature_norm"], rope_scaling=scaling,
                          qk_norm=qk_norm, block_input=block_input,
                          mask_token_id=-1 if mask_id is None else mask_id)

@@ -86,7 +86,9 @@ def export_drafter(drafter: Any, out: str | Path, fmt: str, *, target: Any,
               "hidden_act": "silu",
               "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": dtype}
     jsec: dict[str, Any] = {"format": 1, "target": cfg.target, "feature_norm": cfg.feature_norm,
-                            "vat": cfg.vat}
+                            "vat": cfg.vat,
+                            **({} if cfg.q_temperature == 1.0 else
+                               {"q_temperature": cfg.q_temperature})}
     std_keys = ("feat_mean", "feat_std", "vh_w", "vh_b")
     if fmt == "eagle3":
         tensors.update({
@@ -149,7 +151,8 @@ def export_drafter(drafter: Any, out: str | Path, fmt: str, *, target: Any,
         write_safetensors(out / EXTRA_FILE, extra)
     elif (out / EXTRA_FILE).exists():
         (out / EXTRA_FILE).unlink()
-    if cfg.feature_norm == "none" and not extra and not cfg.target and not cfg.vat:
+    if (cfg.feature_norm == "none" and not extra and not cfg.target and not cfg.vat
+            and cfg.q_temperature == 1.0):
         pass  # a plain community checkpoint: no jspec section needed
     else:
         config["jspec"] = jsec

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,11 @@ class DrafterConfig:
     norm_before_residual: bool = False  # EAGLE-3: the residual is hidden_norm(g), not g (vLLM)
     block_input: str = "jspec"  # DFlash: "jspec" (block_inputs) | "tokens" ([anchor, MASK...])
     mask_token_id: int = -1  # DFlash block_input="tokens": the MASK token's id
+    # At T > 0 the draft distribution is q = softmax(logits / (T * q_temperature)): < 1 sharpens
+    # a drafter whose q is broader than the target's p, so that more of sum_v min(p, q) is
+    # accepted (fitted on held-out data by `python -m train qtemp`; 1 = as trained). Any q is
+    # verified exactly, so this changes how much is accepted, never what is sampled.
+    q_temperature: float = 1.0
 
     def __post_init__(self) -> None:
         if self.feature_norm not in FEATURE_NORMS:
@@ -70,6 +76,8 @@ class DrafterConfig:
         if self.block_input not in BLOCK_INPUTS:
             raise JspecError(f"block_input must be one of {BLOCK_INPUTS}, got "
                              f"{self.block_input!r}")
+        if not (math.isfinite(self.q_temperature) and self.q_temperature > 0):
+            raise JspecError(f"q_temperature must be a positive number, got {self.q_temperature!r}")
         if self.block_input == "tokens" and not 0 <= self.mask_token_id < self.target_vocab:
             raise JspecError(f"block_input='tokens' needs a mask_token_id in [0, "
                              f"{self.target_vocab}), got {self.mask_token_id}")
@@ -281,9 +289,11 @@ def verify_head(p: Params, h: jax.Array) -> jax.Array:
     return dense(h, p.vh_w[:, None])[..., 0] + p.vh_b[0]
 
 
-def choose(logits_d: jax.Array, vocab_ids: jax.Array, sampling: Sampling, key: jax.Array
-           ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
-    """Pick draft tokens from draft-vocab logits [B, K, Vd].
+def choose(logits_d: jax.Array, vocab_ids: jax.Array, sampling: Sampling, key: jax.Array,
+           q_temperature: float = 1.0) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+    """Pick draft tokens from draft-vocab logits [B, K, Vd]; at T > 0 sampled from
+    softmax(logits / (T * q_temperature)) after the sampling's top-k / top-p (a static float;
+    `DrafterConfig.q_temperature`).
 
     Returns (tokens i32[B, K] in the target vocabulary, q f32[B, K, Vd] over `vocab_ids` (the
     drafter's `q_vocab`) or None when greedy, confidences f32[B, K]: max_v q_k(v), the
@@ -301,7 +311,7 @@ def choose(logits_d: jax.Array, vocab_ids: jax.Array, sampling: Sampling, key: j
     # Processed and sampled in the draft vocabulary: the target-vocabulary logits are NEG
     # outside it, so temperature, top-k (k <= Vd), top-p and softmax give the same q there and
     # 0 elsewhere — without sorting or sampling 49,152 entries per drafted token.
-    z = process_logits(logits_d, sampling)
+    z = process_logits(logits_d if q_temperature == 1.0 else logits_d / q_temperature, sampling)
     idx = categorical(key, z)
     q_d = jax.nn.softmax(z, axis=-1)
     return vocab_ids[idx].astype(jnp.int32), q_d, jnp.max(q_d, axis=-1)

@@ -1,0 +1,178 @@
+"""`python -m train qtemp`: fit a trained drafter's q temperature on the held-out shards.
+
+At T > 0 a drafter samples from q = softmax(z / (T * s)) over its draft vocabulary, and lossless
+speculative sampling accepts position k with probability alpha_k = sum_v min(p(v), q(v)), p the
+target's distribution at T over the whole vocabulary. A drafter trained with cross-entropy is
+broader than p where it is unsure, so a scale s < 1 can raise alpha; any q is verified exactly,
+so s changes how much is accepted, never what is sampled (`DrafterConfig.q_temperature`).
+
+For every chain start (EAGLE-3) or anchor (DFlash) of the held-out batches — the training
+recipe's positions and its training-time-test forward — alpha_k is computed for each candidate
+s; the objective is the chain estimate 1 + sum_k prod_{j<=k} alpha_j (the forward conditions on
+the target's own tokens, so it ranks scales; it is not a measured tau). `--out PATH` writes the
+drafter with the best s (the tensors copied bit for bit; PATH may be the input file).
+
+Fit on held-out text sampled at the temperature fitted, not on greedy answers: on greedy text
+p is peaked where the drafter is broad, and the fit sharpens too much (the shipped EAGLE-3: best
+s 0.65 on the greedy held-out shards, 0.9 on held-out T = 1 samples; docs/BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from jspec.drafters.trained import (
+    DrafterConfig,
+    Frozen,
+    Params,
+    check_target,
+    load_drafter_file,
+    split_frozen,
+    with_stats,
+)
+from jspec.errors import JspecError
+from jspec.models.model import load_model
+from train import drafters as td
+from train.data import batches_for, data_layers, load_rows, make_batch
+
+
+def acceptance(kind: str, cfg: DrafterConfig, params: Params, frozen: Frozen,
+               batch: dict[str, jax.Array], temperature: float, scales: tuple[float, ...]
+               ) -> tuple[jax.Array, jax.Array]:
+    """(alpha f32[S, N, K] for each scale, valid bool[N, K]) over a batch's N blocks of K
+    positions: alpha = sum_v min(p(v), q_s(v)), p = softmax(target logits / T) over the whole
+    vocabulary (its tied head `frozen.embed`), q_s = softmax(drafter logits / (T s)) over the
+    draft vocabulary."""
+    logits, t_logits, _, valid, _ = td.forward_blocks(kind, cfg, params, frozen, batch)
+    # The target's full-vocabulary normaliser at each block position, from the final hidden
+    # state forward_blocks picked (t_logits holds only the draft vocabulary's entries).
+    tokens, final = batch["tokens"], batch["final"].astype(jnp.float32)
+    _, tpos = td.RECIPES[kind].hidden(cfg, with_stats(params, frozen.stats), frozen.embed,
+                                     tokens, batch["feats"].astype(jnp.float32), batch["pos"])
+    tpc = jnp.minimum(tpos, tokens.shape[1] - 1)
+    b, n, kk = tpc.shape
+    fh = jnp.take_along_axis(final, (tpc - 1).reshape(b, n * kk)[..., None], axis=1)
+    lse = jax.lax.map(lambda h: jax.nn.logsumexp(frozen.embed @ h / temperature),
+                      fh.reshape(b * n * kk, -1), batch_size=256).reshape(b * n, kk)
+    p = jnp.exp(t_logits / temperature - lse[..., None])  # [N, K, Vd]: p on the draft vocab
+    alpha = jnp.stack([jnp.sum(jnp.minimum(p, jax.nn.softmax(logits / (temperature * s), -1)),
+                               axis=-1) for s in scales])
+    return alpha, valid
+
+
+def chain_estimate(alpha: np.ndarray) -> np.ndarray:
+    """f[..., N] = 1 + sum_k prod_{j<=k} alpha[..., N, j]."""
+    return 1.0 + np.cumprod(alpha, axis=-1).sum(axis=-1)
+
+
+def write_q_temperature(src: Path, dst: Path, q_temperature: float) -> None:
+    """`src` with `q_temperature` in its config, every tensor and other metadata entry as is."""
+    from safetensors import safe_open  # noqa: PLC0415  (a training-only dependency path)
+    from safetensors.numpy import save_file  # noqa: PLC0415
+
+    with safe_open(str(src), "np") as f:
+        meta = dict(f.metadata() or {})
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    cfg = json.loads(meta["jspec_drafter"])
+    cfg["q_temperature"] = float(q_temperature)
+    meta["jspec_drafter"] = json.dumps(cfg)
+    DrafterConfig.from_json(meta["jspec_drafter"])  # still a valid config
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, dst)
+
+
+def run(args: argparse.Namespace) -> int:
+    scales = tuple(sorted({float(x) for x in args.scales.split(",")}))
+    if not scales or min(scales) <= 0:
+        raise SystemExit(f"error: --scales must be positive numbers, got {args.scales!r}")
+    if not args.temperature > 0:
+        raise SystemExit(f"error: --temperature must be > 0, got {args.temperature}")
+    target = load_model(args.model)
+    try:
+        cfg, params0, vocab = load_drafter_file(args.drafter)
+        check_target(cfg, target.config)
+    except JspecError as e:
+        raise SystemExit(f"error: {e}") from e
+    if cfg.kind not in td.RECIPES:
+        raise SystemExit(f"error: {args.drafter} is a {cfg.kind} drafter; qtemp fits "
+                         f"{' / '.join(td.RECIPES)} drafters")
+    recorded = data_layers(args.data)
+    missing = set(cfg.feature_layers) - set(recorded)
+    if missing:
+        raise SystemExit(f"error: {args.data} lacks feature layers {sorted(missing)}")
+    cols = [recorded.index(i) for i in cfg.feature_layers]
+    held = load_rows(args.data, heldout=True, layers=cols)
+    # The recipe's own arguments (positions per row, window) at their training defaults.
+    sub = argparse.ArgumentParser().add_subparsers()
+    td.add_parsers(sub)
+    rargs = sub.choices[cfg.kind].parse_args(["--seed", str(args.seed)])
+    plan = batches_for(held, tuple(rargs.seq_buckets), rargs.batch_tokens)[: args.batches]
+    params, stats = split_frozen(params0)
+    to_draft = np.full((target.config.vocab_size,), -1, np.int32)
+    to_draft[vocab] = np.arange(len(vocab), dtype=np.int32)
+    embed = jnp.asarray(target.weights.embed, jnp.float32)
+    frozen = Frozen(embed=embed, head=jnp.take(embed, jnp.asarray(vocab), axis=0),
+                    to_draft=jnp.asarray(to_draft), stats=stats)
+    step = jax.jit(lambda b: acceptance(cfg.kind, cfg, params, frozen, b, args.temperature,
+                                        scales))
+    feat_idx = list(range(len(cols)))
+    alpha_sum, chain_sum, blocks = 0.0, np.zeros(len(scales)), 0
+    bar = tqdm(plan, desc="qtemp", unit="batch")
+    for j, (seq, idx) in enumerate(bar):
+        b: dict[str, Any] = make_batch(held, idx, seq, feat_idx)
+        rng = np.random.default_rng([args.seed, 10**6 + j])  # the training run's eval blocks
+        b["pos"], b["valid"] = td.positions(rargs, cfg.kind, rng, b["lens"], b["plens"])
+        alpha, valid = step({k: jnp.asarray(v) for k, v in b.items()})
+        full = np.asarray(valid).all(axis=1)  # blocks whose every position is in the row
+        alpha = np.asarray(alpha)[:, full]
+        alpha_sum = alpha_sum + alpha.sum(axis=1)
+        chain_sum += chain_estimate(alpha).sum(axis=1)
+        blocks += int(full.sum())
+        bar.set_postfix(blocks=blocks)
+    bar.close()
+    if blocks == 0:
+        raise SystemExit(f"error: no complete held-out blocks in {args.data}")
+    est = chain_sum / blocks
+    best = scales[int(np.argmax(est))]
+    print(f"{args.drafter} ({cfg.kind}, stored q_temperature {cfg.q_temperature:g}): "
+          f"{blocks} held-out blocks of {len(held)} sequences, T = {args.temperature:g}")
+    print("| s | alpha by position | chain estimate |")
+    print("|---|---|---|")
+    for i, s in enumerate(scales):
+        al = " ".join(f"{x:.3f}" for x in alpha_sum[i] / blocks)
+        mark = " (best)" if s == best else ""
+        print(f"| {s:g}{mark} | {al} | {est[i]:.3f} |")
+    if args.out:
+        write_q_temperature(Path(args.drafter), Path(args.out), best)
+        print(f"wrote {args.out} with q_temperature {best:g}")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("qtemp", help="fit a trained drafter's q temperature on held-out data",
+                       description=__doc__.split("\n\n")[0] + " " + __doc__.split("\n\n")[1])
+    p.add_argument("--drafter", required=True, help="EAGLE-3 or DFlash drafter file")
+    p.add_argument("--data", default="runs/data",
+                   help="datagen / featurize shard directory; its heldout_* shards are used: "
+                        "text sampled at --temperature, which the drafter was not trained on "
+                        "(greedy text overstates the sharpening)")
+    p.add_argument("--model", default="smollm2-135m", help="target model")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature to fit at (default 1)")
+    p.add_argument("--scales", default="0.4,0.5,0.6,0.7,0.8,0.9,1",
+                   help="candidate q temperatures s, comma-separated")
+    p.add_argument("--batches", type=int, default=8, help="held-out batches to use")
+    p.add_argument("--seed", type=int, default=0, help="seed of the block positions")
+    p.add_argument("--out", default="",
+                   help="write the drafter with the best s here (may be --drafter itself)")
+    p.set_defaults(func=run)
