@@ -177,9 +177,11 @@ def block_loss(kind: str, logits: jax.Array, t_logits: jax.Array, hard: jax.Arra
 
 
 def forward_blocks(kind: str, cfg: DrafterConfig, params: Params, frozen: Frozen,
-                   batch: dict[str, jax.Array], matmul_dtype: Any = jnp.float32
-                   ) -> tuple[jax.Array, ...]:
-    """(logits, target logits, hard, valid, vh) for the sampled blocks of a batch.
+                   batch: dict[str, jax.Array], matmul_dtype: Any = jnp.float32,
+                   with_target_hidden: bool = False) -> tuple[jax.Array, ...]:
+    """(logits, target logits, hard, valid, vh) for the sampled blocks of a batch, and with
+    `with_target_hidden` the target's final hidden state f32[N, K, D] that gives each position's
+    target logits (for a full-vocabulary p: `train.qtemp`).
 
     matmul_dtype: the operands of the drafter's matmuls and of the draft head (float32
     accumulation either way; the parameters and their gradients stay float32)."""
@@ -199,7 +201,8 @@ def forward_blocks(kind: str, cfg: DrafterConfig, params: Params, frozen: Frozen
     logits = draft_logits(cfg, params, head, hsel)
     vh = verify_head(params, hsel)
     flat = lambda x: x.reshape((b * n, kk, *x.shape[3:]))  # noqa: E731
-    return flat(logits), flat(t_logits), flat(hard), flat(valid), flat(vh)
+    out = flat(logits), flat(t_logits), flat(hard), flat(valid), flat(vh)
+    return (*out, fh.reshape(b * n, kk, -1)) if with_target_hidden else out
 
 
 def batch_sharding(mesh: Mesh, batch: dict[str, Any]) -> dict[str, NamedSharding]:

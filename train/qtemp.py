@@ -37,7 +37,6 @@ from jspec.drafters.trained import (
     check_target,
     load_drafter_file,
     split_frozen,
-    with_stats,
 )
 from jspec.errors import JspecError
 from jspec.models.model import load_model
@@ -52,17 +51,12 @@ def acceptance(kind: str, cfg: DrafterConfig, params: Params, frozen: Frozen,
     positions: alpha = sum_v min(p(v), q_s(v)), p = softmax(target logits / T) over the whole
     vocabulary (its tied head `frozen.embed`), q_s = softmax(drafter logits / (T s)) over the
     draft vocabulary."""
-    logits, t_logits, _, valid, _ = td.forward_blocks(kind, cfg, params, frozen, batch)
-    # The target's full-vocabulary normaliser at each block position, from the final hidden
-    # state forward_blocks picked (t_logits holds only the draft vocabulary's entries).
-    tokens, final = batch["tokens"], batch["final"].astype(jnp.float32)
-    _, tpos = td.RECIPES[kind].hidden(cfg, with_stats(params, frozen.stats), frozen.embed,
-                                     tokens, batch["feats"].astype(jnp.float32), batch["pos"])
-    tpc = jnp.minimum(tpos, tokens.shape[1] - 1)
-    b, n, kk = tpc.shape
-    fh = jnp.take_along_axis(final, (tpc - 1).reshape(b, n * kk)[..., None], axis=1)
+    logits, t_logits, _, valid, _, fh = td.forward_blocks(kind, cfg, params, frozen, batch,
+                                                          with_target_hidden=True)
+    n, kk = valid.shape
+    # The target's full-vocabulary normaliser (t_logits holds only the draft vocabulary's).
     lse = jax.lax.map(lambda h: jax.nn.logsumexp(frozen.embed @ h / temperature),
-                      fh.reshape(b * n * kk, -1), batch_size=256).reshape(b * n, kk)
+                      fh.reshape(n * kk, -1), batch_size=256).reshape(n, kk)
     p = jnp.exp(t_logits / temperature - lse[..., None])  # [N, K, Vd]: p on the draft vocab
     alpha = jnp.stack([jnp.sum(jnp.minimum(p, jax.nn.softmax(logits / (temperature * s), -1)),
                                axis=-1) for s in scales])
