@@ -15,6 +15,14 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# The tests' programs are compiled at XLA's backend optimization level 0 (this process and the
+# subprocesses it starts): the same HLO and the same numerics (XLA:CPU does not use fast math),
+# less time in LLVM. Most tests run tiny models whose time is compilation: measured on the
+# 2-core CI machine, tests/test_d2sd.py 147 s -> 108 s; the real-model tests come out level
+# (tests/test_real_speculative.py 139 s -> 140 s: faster compiles, slower elementwise code).
+# Benchmarks and users' programs keep XLA's default level.
+if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 # One XLA compilation cache for the test session, this process and the subprocesses it starts
 # (they read it from the environment): each module's programs are dropped when it ends
 # (`_free_compiled_programs`), and many modules and subprocesses compile the same real-model

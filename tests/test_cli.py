@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import jspec
 from jspec.cli import main
 
 
@@ -73,57 +74,63 @@ def test_real_prompt_longer_than_context_is_a_clear_error(real_model, capsys):
 
 
 @pytest.mark.real
-def test_real_json_output_and_drafter(real_model, tmp_path):
-    """The CLI end to end in a subprocess: --json fields, a drafter, greedy identity."""
-    f = tmp_path / "p.jsonl"
-    f.write_text(json.dumps({"prompt": "What is the capital of France?"}) + "\n")
-    outs = []
-    for extra in ([], ["--drafter", "ngram", "--k", "3", "--dtype", "float32"]):
-        proc = subprocess.run([sys.executable, "-m", "jspec", "generate", "--prompts-file", str(f),
-                               "--json", "--max-new-tokens", "16", *extra],
-                              capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr
-        rec = json.loads(proc.stdout.strip().splitlines()[-1])
-        assert set(rec) == {"prompt", "text", "token_ids", "new_tokens", "rounds",
-                            "mean_accepted", "seconds", "provenance"}
-        prov = rec["provenance"]  # where and how: machine, versions, dtype, the command
-        assert prov["dtype"] == "float32" and prov["device_count"] >= 1 and prov["jaxlib"]
-        assert "jspec generate" in prov["command"] and "--json" in prov["command"]
-        assert rec["new_tokens"] == len(rec["token_ids"]) and "Paris" in rec["text"]
-        outs.append(rec)
-    assert outs[0]["token_ids"] == outs[1]["token_ids"]
-    assert outs[1]["rounds"] <= outs[0]["rounds"]
-    # With no --k / --dtype a drafter runs at the record for the machine class
-    # (jspec.defaults): the shipped cpu record's float32 and k; a user record's dtype; and a
-    # record saying plain decoding is faster (max_batch 0) decodes plainly, said on stderr.
-    import os
+def test_real_json_output_and_drafter(real_model, tmp_path, capsys, monkeypatch):
+    """The CLI end to end: --json fields in a subprocess (`python -m jspec`), then the same
+    command in this process (`jspec.cli.main`, the entry point's function) with a drafter:
+    greedy identity, and the machine-class records choosing dtype and k."""
+    import warnings
 
     from jspec import defaults
 
-    def run(cls, user=None):
-        env = {**os.environ, "JSPEC_MACHINE_CLASS": cls}
-        if user is not None:
-            env["JSPEC_DEFAULTS"] = str(user)
-        proc = subprocess.run([sys.executable, "-m", "jspec", "generate", "--prompts-file",
-                               str(f), "--json", "--max-new-tokens", "16", "--drafter", "ngram"],
-                              capture_output=True, text=True, timeout=600, env=env)
-        assert proc.returncode == 0, proc.stderr
-        return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "What is the capital of France?"}) + "\n")
+    argv = ["generate", "--prompts-file", str(f), "--json", "--max-new-tokens", "16"]
 
+    def check(rec, dtype="float32"):
+        assert set(rec) == {"prompt", "text", "token_ids", "new_tokens", "rounds",
+                            "mean_accepted", "seconds", "provenance"}
+        prov = rec["provenance"]  # where and how: machine, versions, dtype, the command
+        assert prov["dtype"] == dtype and prov["device_count"] >= 1 and prov["jaxlib"]
+        assert rec["new_tokens"] == len(rec["token_ids"]) and "Paris" in rec["text"]
+        return rec
+
+    proc = subprocess.run([sys.executable, "-m", "jspec", *argv], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    plain = check(json.loads(proc.stdout.strip().splitlines()[-1]))
+    command = plain["provenance"]["command"]  # (in this process it would be pytest's)
+    assert "jspec generate" in command and "--json" in command
+
+    def run(*extra, cls="cpu", user=None):
+        monkeypatch.setenv("JSPEC_MACHINE_CLASS", cls)
+        if user is not None:
+            monkeypatch.setenv("JSPEC_DEFAULTS", str(user))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert main([*argv, "--drafter", "ngram", *extra]) == 0
+        out, err = capsys.readouterr()
+        return json.loads(out.strip().splitlines()[-1]), err, caught
+
+    rec = check(run("--k", "3", "--dtype", "float32")[0])
+    assert rec["token_ids"] == plain["token_ids"] and rec["rounds"] <= plain["rounds"]
+    # With no --k / --dtype a drafter runs at the record for the machine class
+    # (jspec.defaults): the shipped cpu record's float32 and k; a user record's dtype; and a
+    # record saying plain decoding is faster (max_batch 0) decodes plainly, said on stderr.
     cpu = defaults.lookup("ngram", machine="cpu")
     assert cpu.dtype == "float32" and cpu.max_batch != 0
-    rec, err = run("cpu")
-    assert rec["provenance"]["dtype"] == "float32" and rec["provenance"]["machine_class"] == "cpu"
-    assert "note:" not in err and rec["token_ids"] == outs[0]["token_ids"]
+    rec, err, _ = run()
+    assert check(rec)["provenance"]["machine_class"] == "cpu"
+    assert "note:" not in err and rec["token_ids"] == plain["token_ids"]
     assert rec["rounds"] < rec["new_tokens"]  # it speculated (this answer repeats its prompt)
-    plain = tmp_path / "plain.json"
-    plain.write_text(json.dumps({"cpu-bf16": {"ngram": {"k": 2, "dtype": "bfloat16",
-                                                        "max_batch": 0}}}))
-    rec, err = run("cpu-bf16", plain)
+    record = tmp_path / "plain.json"
+    record.write_text(json.dumps({"cpu-bf16": {"ngram": {"k": 2, "dtype": "bfloat16",
+                                                         "max_batch": 0}}}))
+    rec, err, caught = run(cls="cpu-bf16", user=record)
     assert rec["provenance"]["dtype"] == "bfloat16"
     assert rec["provenance"]["machine_class"] == "cpu-bf16"
     assert "note: on this cpu-bf16 machine ngram was measured slower than plain decoding" in err
-    assert "PlainDecodingWarning" not in err  # said once, as the note
+    # Said once, as the note: the library's PlainDecodingWarning is not raised as well.
+    assert not [w for w in caught if issubclass(w.category, jspec.PlainDecodingWarning)]
     assert rec["mean_accepted"] == 1.0
 
 
