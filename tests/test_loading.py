@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -489,3 +490,29 @@ def test_cache_lock_serializes_processes(tmp_path):
     pairs = run("broken")
     assert not all(pairs[i][0] == "start" and pairs[i + 1] == ("end", pairs[i][1])
                    for i in range(0, 8, 2))
+
+
+def test_converted_entry_gets_the_umask_mode_not_a_private_one(tmp_path, monkeypatch):
+    """A registry model converted into the cache is readable as the umask allows (0755 under
+    022), not left at the 0700 of the temporary directory it was written in (the bug: a cache
+    shared by several users was unreadable to all but the first)."""
+    from jspec.models import registry
+
+    gguf_path = tmp_path / "tiny.gguf"
+    write_gguf(gguf_path, random_model("llama_tied_gqa2").config,
+               random_model("llama_tied_gqa2").weights)
+    entry = registry.RegistryEntry(name="tiny-entry", package="none", module="none",
+                                   member="none/tiny.gguf", wheel_sha256="",
+                                   gguf_sha256=registry.sha256(gguf_path), description="")
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(registry, "fetch_gguf", lambda e, **kw: gguf_path)
+    old = os.umask(0o022)
+    try:
+        out = registry.converted_dir(entry)
+    finally:
+        os.umask(old)
+    assert out == tmp_path / "cache" / "models" / "tiny-entry"
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert (out / "config.json").is_file() and (out / ".jspec-converted").is_file()
+    assert [p.name for p in out.parent.iterdir()] == ["tiny-entry"]  # no temporary left
+    assert registry.converted_dir(entry) == out  # converted once: the marker is read

@@ -121,12 +121,15 @@ def _convert_into(entry: RegistryEntry, out: Path) -> None:
     config, tensors, tokenizer = read_gguf(gguf_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{entry.name}-"))
+    # Written one level down: mkdtemp's own directory is private (0700), while the entry gets
+    # the mode any directory made here gets (the umask's), like every other cache entry.
+    stage = tmp / entry.name
     try:
-        write_hf_dir(tmp, config, tensors, tokenizer)
-        (tmp / ".jspec-converted").write_text(entry.gguf_sha256)
+        write_hf_dir(stage, config, tensors, tokenizer)
+        (stage / ".jspec-converted").write_text(entry.gguf_sha256)
         if out.exists():
             shutil.rmtree(out)
-        tmp.replace(out)
+        stage.replace(out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
