@@ -86,11 +86,11 @@ def test_real_json_output_and_drafter(real_model, tmp_path, capsys, monkeypatch)
     f.write_text(json.dumps({"prompt": "What is the capital of France?"}) + "\n")
     argv = ["generate", "--prompts-file", str(f), "--json", "--max-new-tokens", "16"]
 
-    def check(rec, dtype="float32"):
+    def check(rec):
         assert set(rec) == {"prompt", "text", "token_ids", "new_tokens", "rounds",
                             "mean_accepted", "seconds", "provenance"}
         prov = rec["provenance"]  # where and how: machine, versions, dtype, the command
-        assert prov["dtype"] == dtype and prov["device_count"] >= 1 and prov["jaxlib"]
+        assert prov["dtype"] == "float32" and prov["device_count"] >= 1 and prov["jaxlib"]
         assert rec["new_tokens"] == len(rec["token_ids"]) and "Paris" in rec["text"]
         return rec
 
