@@ -201,7 +201,8 @@ def plot_bench(res: dict[str, Any], out: str | Path) -> Path:
 
 
 def plot_training(log: str | Path, out: str | Path) -> Path:
-    """Loss and held-out simulated τ per step of a `python -m train` run's log.jsonl."""
+    """Loss and held-out τ (simulated; greedy decoding replayed) per step of a `python -m
+    train` run's log.jsonl."""
     plt = _pyplot()
     recs = [json.loads(line) for line in Path(log).read_text().splitlines() if line.strip()]
     if not recs:
@@ -217,7 +218,8 @@ def plot_training(log: str | Path, out: str | Path) -> Path:
                linewidth=1.5, label="held-out loss")
     a.set(title="Loss", xlabel="step", ylabel="loss")
     for key, label in (("tau_sim", "training batch (simulated)"),
-                       ("heldout_tau_sim", "held-out (simulated)")):
+                       ("heldout_tau_sim", "held-out (simulated)"),
+                       ("heldout_tau_replay", "held-out (greedy decoding replayed)")):
         pts = [(r["step"], r[key]) for r in recs if key in r]
         if pts:
             b.plot([p[0] for p in pts], [p[1] for p in pts],

@@ -73,7 +73,8 @@ def test_plot_training_log(tmp_path):
     log = tmp_path / "run" / "log.jsonl"
     log.parent.mkdir()
     recs = [{"step": s, "loss": 8.0 / s ** 0.3, "acc1": 0.1, "tau_sim": 1.0 + s / 200,
-             **({"heldout_tau_sim": 1.0 + s / 250} if s % 10 == 0 else {})}
+             **({"heldout_tau_sim": 1.0 + s / 250, "heldout_tau_replay": 1.0 + s / 300}
+                if s % 10 == 0 else {})}
             for s in range(1, 51)]
     log.write_text("".join(json.dumps(r) + "\n" for r in recs))
     assert plot_training(log, tmp_path / "t.png").stat().st_size > 10_000

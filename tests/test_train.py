@@ -154,16 +154,24 @@ def _train_args(tmp, kind, out, steps, extra=()):
     return args
 
 
+def _trained(tmp, kind):
+    """The run directory of a 12-step VAT training of `kind` on the tiny data (trained once
+    per module)."""
+    out = tmp / f"run-{kind}"
+    if not (out / f"{kind}.safetensors").is_file():
+        r = _run(_train_args(tmp, kind, out, 12, ["--vat"]))
+        assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
 def test_training_smoke_and_loadable(tiny_data, kind):
     tmp, model = tiny_data
-    out = tmp / f"run-{kind}"
-    r = _run(_train_args(tmp, kind, out, 12, ["--vat"]))
-    assert r.returncode == 0, r.stderr[-3000:]
+    out = _trained(tmp, kind)
     log = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
     assert [x["step"] for x in log] == list(range(1, 13))
     assert log[-1]["loss"] < log[0]["loss"]  # it learns something in 12 steps
-    assert "heldout_tau_sim" in log[-1]
+    assert "heldout_tau_sim" in log[-1] and "heldout_tau_replay" in log[-1]
     cfg, _, vocab = load_drafter_file(out / f"{kind}.safetensors")
     assert cfg.kind == kind and cfg.vat and len(vocab) == 64
     drafter = jspec.load_drafter(str(out / f"{kind}.safetensors"), target=model)
@@ -188,6 +196,49 @@ def test_training_smoke_and_loadable(tiny_data, kind):
     np.testing.assert_array_equal(v2, vocab)
     p1 = to_flat(load_drafter_file(out / f"{kind}.safetensors")[1])
     assert all(np.array_equal(np.asarray(a), np.asarray(p1[k])) for k, a in to_flat(p2).items())
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_replayed_rounds_are_greedy_decodings_rounds(tiny_data, kind):
+    """The held-out `tau_replay`: greedy decoding replayed along the target's greedy text
+    (`replay_batch`) gives, row by row, the tokens and rounds `jspec.generate` counts when it
+    decodes that row's prompt with the same drafter at K = the trained length; the same replay
+    with every draft taken one position late (the alignment bug it could have) does not."""
+    from jspec.drafters.trained import Frozen, split_frozen
+    from train.data import load_rows, make_batch
+    from train.drafters import drafts_along, replay_batch, replay_rounds
+
+    tmp, model = tiny_data
+    path = _trained(tmp, kind) / f"{kind}.safetensors"
+    cfg, params, vocab = load_drafter_file(path)
+    params, stats = split_frozen(params)
+    frozen = Frozen.of(model.weights.embed, vocab, stats)
+    to_draft = np.asarray(frozen.to_draft)
+    greedy = tmp / "replay-data"
+    greedy.mkdir(exist_ok=True)
+    for f in [*(tmp / "data").glob("heldout_tiny-greedy-*.npz"), tmp / "data" / "meta.json"]:
+        (greedy / f.name).write_bytes(f.read_bytes())
+    layers = json.loads((greedy / "meta.json").read_text())["feature_layers"]
+    rows = load_rows(str(greedy), heldout=True, layers=[layers.index(i)
+                                                        for i in cfg.feature_layers])
+    feat_idx = list(range(len(cfg.feature_layers)))
+    k = cfg.block if kind == "eagle3" else cfg.block - 1  # chain steps / block drafts
+    drafter = jspec.load_drafter(str(path), target=model)
+    replayed, decoded, late = [], [], []
+    for i in range(len(rows)):
+        b = make_batch(rows, [i], 64, feat_idx)
+        replayed.append(replay_batch(params, frozen, b, cfg))
+        p, n = rows.plens[i], len(rows.tokens[i])
+        out = jspec.generate(model, rows.tokens[i][None, :p], max_new_tokens=n - p,
+                             drafter=drafter, length=jspec.FixedLength(k))
+        np.testing.assert_array_equal(np.asarray(out.tokens[0, : n - p]), rows.tokens[i][p:])
+        decoded.append((int(out.stats.emitted[0]), int(out.stats.rounds[0])))
+        d = np.roll(drafts_along(params, frozen, b, cfg)[0], 1, axis=0)[:n]
+        late.append(replay_rounds(to_draft[rows.tokens[i]], d, p + 1))
+    assert len(rows) == 12 and replayed == decoded, (replayed, decoded)
+    accepted = sum(e - r for e, r in decoded)
+    assert accepted > 0  # the drafter is accepted at times: the equality is not all-rejects
+    assert late != decoded
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ import numpy as np
 import optax
 
 from jspec.drafters import d2sd
-from jspec.drafters.loading import ASSETS, SHIPPED
+from jspec.drafters.loading import SHIPPED, drafter_file
 from jspec.drafters.trained import (
     DrafterConfig,
     Frozen,
@@ -59,8 +59,8 @@ from train.loop import Loop, optimizer, run_loop
 def resolve_init(init: str) -> tuple[Path, str]:
     """(file, reference stored in the output) for --init: a shipped name or a file."""
     if init in SHIPPED:
-        return ASSETS / SHIPPED[init], init
-    path = Path(init).expanduser().resolve()
+        return drafter_file(init), init
+    path = drafter_file(init).resolve()
     if not path.is_file():
         raise SystemExit(f"error: --init {init}: not a shipped drafter name nor a file")
     return path, str(path)
@@ -204,12 +204,8 @@ def run(args: argparse.Namespace) -> int:
         print("warning: no held-out shards: no held-out evaluation", flush=True)
         held = Rows([], [], [])
         args.eval_every = 0
-    to_draft = np.full((target.config.vocab_size,), -1, np.int32)
-    to_draft[vocab] = np.arange(len(vocab), dtype=np.int32)
-    embed = target.weights.embed.astype(jnp.float32)
     params, stats = split_frozen(params0)
-    frozen = Frozen(embed=embed, head=jnp.take(embed, jnp.asarray(vocab), axis=0),
-                    to_draft=jnp.asarray(to_draft), stats=stats)
+    frozen = Frozen.of(target.weights.embed, vocab, stats)
     plan = batches_for(rows, tuple(args.seq_buckets), args.batch_tokens)
     held_plan = (batches_for(held, tuple(args.seq_buckets), args.batch_tokens)[: args.eval_batches]
                  if len(held) else [])

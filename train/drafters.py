@@ -34,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jspec import launch, sharding
 from jspec.drafters import dflash, eagle3
+from jspec.drafters.loading import drafter_file
 from jspec.drafters.trained import (
     DrafterConfig,
     Frozen,
@@ -112,6 +113,7 @@ class Recipe:
     shape: Callable[[argparse.Namespace, tuple[int, ...]], dict[str, Any]]  # config fields
     add_args: Callable[[argparse.ArgumentParser], None]
     ffn: int  # default MLP width
+    replay_chunk: int | None = None  # positions per `greedy_drafts` call (None: all at once)
 
 
 DEFAULT_DRAFT_VOCAB = 4096  # covers 87% of the corpus' response tokens (docs/BENCHMARKS.md)
@@ -128,7 +130,7 @@ RECIPES: dict[str, Recipe] = {
                      "anchors",
                      lambda a, rec: {"num_layers": a.layers, "feature_layers": rec,
                                      "block": a.block},
-                     _dflash_args, 1024),
+                     _dflash_args, 1024, replay_chunk=64),  # 64 blocks of γ queries a call
 }
 
 
@@ -170,9 +172,15 @@ def block_loss(kind: str, logits: jax.Array, t_logits: jax.Array, hard: jax.Arra
     bce = jnp.sum(valid * (jnp.logaddexp(0.0, vh) - label * vh)) / n_valid
     loss = ce + (bce if vat_head else 0.0)
     blocks = jnp.maximum(jnp.sum(valid[:, 0]), 1)
+    # The metrics: decoding never accepts a token outside the draft vocabulary, so a position
+    # whose text token is outside it is a miss there, even where the drafter matches the
+    # target's best in-vocabulary token (on greedy text, the held-out shards, that token is the
+    # target's argmax: this is decoding's greedy acceptance). The loss above keeps `match`.
+    hit = match & (hard >= 0)
+    hit_run = jnp.sum(jnp.cumprod(hit.astype(jnp.int32), axis=1), axis=1)
     metrics = {"loss": loss, "ce": ce, "vh_bce": bce,
-               "acc1": jnp.sum(match[:, 0]) / blocks,
-               "tau_sim": 1.0 + jnp.sum(jnp.where(valid[:, 0], first_rej, 0)) / blocks}
+               "acc1": jnp.sum(hit[:, 0]) / blocks,
+               "tau_sim": 1.0 + jnp.sum(jnp.where(valid[:, 0], hit_run, 0)) / blocks}
     return loss, metrics
 
 
@@ -298,7 +306,7 @@ def init_from(args: argparse.Namespace, target_config: Any
     optimizer and the learning-rate schedule start afresh."""
 
     try:
-        cfg, params, vocab = load_drafter_file(args.init)
+        cfg, params, vocab = load_drafter_file(drafter_file(args.init))
         check_target(cfg, target_config)
     except JspecError as e:
         raise SystemExit(f"error: --init: {e}") from e
@@ -360,8 +368,87 @@ def step_batch(args: argparse.Namespace, rows: Rows, plan: list, step: int, feat
                                size)
 
 
+@functools.partial(jax.jit, static_argnames=("kind", "cfg"))
+def greedy_drafts(params: Params, frozen: Frozen, batch: dict[str, jax.Array], pos: jax.Array,
+                  *, kind: str, cfg: DrafterConfig) -> tuple[jax.Array, jax.Array]:
+    """What greedy decoding drafts along a batch of text: for every position i32[B, M] of
+    `pos` (a chain start / an anchor), (drafts i32[B, M, K], first i32[B, M]): the drafter's
+    argmax draft-vocabulary indices for the K tokens from position `first` on, drafted from the
+    text before them (the drafter's own outputs in between, as in decoding)."""
+    params = with_stats(params, frozen.stats)
+    hsel, tpos = RECIPES[kind].hidden(cfg, params, frozen.embed, batch["tokens"],
+                                      batch["feats"].astype(jnp.float32), pos)
+    drafts = jnp.argmax(draft_logits(cfg, params, frozen.head, hsel), axis=-1)
+    return drafts.astype(jnp.int32), tpos[..., 0]
+
+
+def replay_rounds(target: np.ndarray, drafts: np.ndarray, start: int) -> tuple[int, int]:
+    """(tokens emitted, rounds) of greedy speculative decoding replayed along one row of the
+    target's own greedy text.
+
+    target: i32[n] the row's tokens as draft-vocabulary indices (-1 outside it: never
+    accepted); drafts: i32[n, K] the drafter's K-token draft starting at each position (-1:
+    none); start: the first position a round drafts (the one after the token sampled by the
+    prefill). A round accepts the longest prefix of its draft that the text continues with and
+    emits it plus one target token; the next round drafts from the position after them. On the
+    target's greedy text this is exactly what greedy decoding does (the drafter sees the same
+    text and features), so emitted / rounds is decoding's τ at K.
+    """
+    n, kk = len(target), drafts.shape[1]
+    pos, rounds = start, 0
+    while pos < n:
+        a = 0
+        while a < kk and pos + a < n and target[pos + a] >= 0 and drafts[pos, a] == target[pos + a]:
+            a += 1
+        rounds += 1
+        pos += a + 1
+    return max(n - start, 0), rounds
+
+
+def drafts_along(params: Params, frozen: Frozen, b: dict[str, np.ndarray], cfg: DrafterConfig,
+                 mesh: Mesh | None = None) -> np.ndarray:
+    """i32[B, S, K] (host): `greedy_drafts` of a batch's rows indexed by the first drafted
+    position (-1 where nothing is drafted from there)."""
+    rows, s = b["tokens"].shape
+    chunk = RECIPES[cfg.kind].replay_chunk or s
+    dev = _to_device(mesh, {k: v for k, v in b.items() if k in ("tokens", "feats")})
+    drafts = None
+    for c in range(0, s, chunk):
+        pos = np.minimum(np.arange(c, c + chunk, dtype=np.int32), s - 1)
+        d, first = sharding.to_host(greedy_drafts(
+            params, frozen, dev, jnp.asarray(np.broadcast_to(pos, (rows, chunk))),
+            kind=cfg.kind, cfg=cfg))
+        if drafts is None:
+            drafts = np.full((rows, s, d.shape[-1]), -1, np.int32)
+        ok = (first >= 0) & (first < s)
+        r, m = np.nonzero(ok)
+        drafts[r, first[r, m]] = d[r, m]
+    return drafts
+
+
+def replay_batch(params: Params, frozen: Frozen, b: dict[str, np.ndarray], cfg: DrafterConfig,
+                 mesh: Mesh | None = None) -> tuple[int, int]:
+    """(tokens emitted, rounds) of `replay_rounds` summed over a batch's rows."""
+    tokens = b["tokens"]
+    drafts = drafts_along(params, frozen, b, cfg, mesh)
+    to_draft = np.asarray(frozen.to_draft)
+    emitted = rounds = 0
+    for i in range(len(tokens)):
+        n, p = int(b["lens"][i]), int(b["plens"][i])  # p >= 1: drafts exist from p + 1 on
+        e, r = replay_rounds(to_draft[tokens[i, :n]], drafts[i, :n], p + 1)
+        emitted, rounds = emitted + e, rounds + r
+    return emitted, rounds
+
+
 def evaluate(args, rows, plan, feat_idx, cfg, params, frozen, mesh=None) -> dict[str, float]:
+    """Held-out metrics: the means over `plan`'s batches of `block_loss`'s metrics at sampled
+    positions, and `tau_replay` — greedy decoding's τ at K = the trained chain / block length,
+    replayed along the held-out rows (`replay_rounds`; they are the target's greedy answers),
+    pooled over them: tokens per round, as decoding counts it. (`tau_sim` averages 1 + accepted
+    over uniformly sampled positions instead, so easy stretches, which decoding crosses in few
+    rounds, weigh more: it reads higher than decoding's τ.)"""
     acc: dict[str, list[float]] = {}
+    emitted = rounds = 0
     for j in range(len(plan)):
         seq, idx = plan[j]
         b = make_batch(rows, idx, seq, feat_idx)
@@ -370,7 +457,12 @@ def evaluate(args, rows, plan, feat_idx, cfg, params, frozen, mesh=None) -> dict
         m = eval_step(params, frozen, _to_device(mesh, b), kind=cfg.kind, cfg=cfg)
         for k, v in m.items():
             acc.setdefault(k, []).append(float(v))
-    return {k: float(np.mean(v)) for k, v in acc.items()}
+        e, r = replay_batch(params, frozen, b, cfg, mesh)
+        emitted, rounds = emitted + e, rounds + r
+    out = {k: float(np.mean(v)) for k, v in acc.items()}
+    if rounds:
+        out["tau_replay"] = emitted / rounds
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -431,10 +523,6 @@ def run(args: argparse.Namespace) -> int:
             tmp = out / f".vocab-{os.getpid()}.npy"
             np.save(tmp, vocab)
             os.replace(tmp, vocab_path)
-    to_draft = np.full((target.config.vocab_size,), -1, np.int32)
-    to_draft[vocab] = np.arange(len(vocab), dtype=np.int32)
-    embed = target.weights.embed.astype(jnp.float32)
-    head = jnp.take(embed, jnp.asarray(vocab), axis=0)
     plan = batches_for(rows, tuple(args.seq_buckets), args.batch_tokens)
     held_plan = (batches_for(held, tuple(args.seq_buckets), args.batch_tokens)[: args.eval_batches]
                  if len(held) else [])
@@ -454,7 +542,7 @@ def run(args: argparse.Namespace) -> int:
         # random hidden states starts at ~20 nats of cross-entropy instead of ~8).
         params = dataclasses.replace(
             params, final_norm=0.2 * jnp.asarray(target.weights.final_norm, jnp.float32))
-    frozen = Frozen(embed=embed, head=head, to_draft=jnp.asarray(to_draft), stats=stats)
+    frozen = Frozen.of(target.weights.embed, vocab, stats)
     tx = optimizer(args)
     opt_state = tx.init(params)
     if mesh is not None:  # before a restore, which then fills the placed layout
@@ -516,7 +604,8 @@ def add_parsers(sub: Any) -> None:
                             "it: its tokens stay, the next most frequent are added)")
         p.add_argument("--ffn", type=int, default=RECIPES[kind].ffn, help="drafter MLP width")
         p.add_argument("--init", default="",
-                       help="continue from this drafter file (its shape, vocabulary and feature "
+                       help="continue from this drafter (a file or a shipped name, e.g. "
+                            "smollm2-135m-eagle3: its shape, vocabulary and feature "
                             "statistics; a fresh optimizer and schedule): more steps or more "
                             "data on a trained drafter")
         RECIPES[kind].add_args(p)

@@ -135,5 +135,5 @@ def run_loop(loop: Loop, params: Any, opt_state: Any, out: Path, *, steps: int,
 
 
 def _fmt(ev: dict[str, float]) -> str:
-    keys = [k for k in ("tau_sim", "acc1", "acc_first", "loss") if k in ev]
+    keys = [k for k in ("tau_replay", "tau_sim", "acc1", "acc_first", "loss") if k in ev]
     return " ".join(f"{k} {ev[k]:.3f}" for k in keys)

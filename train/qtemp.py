@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from jspec.drafters.loading import drafter_file
 from jspec.drafters.trained import (
     DrafterConfig,
     Frozen,
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: --temperature must be > 0, got {args.temperature}")
     target = load_model(args.model)
     try:
-        cfg, params0, vocab = load_drafter_file(args.drafter)
+        cfg, params0, vocab = load_drafter_file(drafter_file(args.drafter))
         check_target(cfg, target.config)
     except JspecError as e:
         raise SystemExit(f"error: {e}") from e
@@ -112,11 +113,7 @@ def run(args: argparse.Namespace) -> int:
     rargs = sub.choices[cfg.kind].parse_args(["--seed", str(args.seed)])
     plan = batches_for(held, tuple(rargs.seq_buckets), rargs.batch_tokens)[: args.batches]
     params, stats = split_frozen(params0)
-    to_draft = np.full((target.config.vocab_size,), -1, np.int32)
-    to_draft[vocab] = np.arange(len(vocab), dtype=np.int32)
-    embed = jnp.asarray(target.weights.embed, jnp.float32)
-    frozen = Frozen(embed=embed, head=jnp.take(embed, jnp.asarray(vocab), axis=0),
-                    to_draft=jnp.asarray(to_draft), stats=stats)
+    frozen = Frozen.of(target.weights.embed, vocab, stats)
     step = jax.jit(lambda b: acceptance(cfg.kind, cfg, params, frozen, b, args.temperature,
                                         scales))
     feat_idx = list(range(len(cols)))
@@ -147,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         mark = " (best)" if s == best else ""
         print(f"| {s:g}{mark} | {al} | {est[i]:.3f} |")
     if args.out:
-        write_q_temperature(Path(args.drafter), Path(args.out), best)
+        write_q_temperature(drafter_file(args.drafter), Path(args.out), best)
         print(f"wrote {args.out} with q_temperature {best:g}")
     return 0
 
@@ -155,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("qtemp", help="fit a trained drafter's q temperature on held-out data",
                        description=__doc__.split("\n\n")[0] + " " + __doc__.split("\n\n")[1])
-    p.add_argument("--drafter", required=True, help="EAGLE-3 or DFlash drafter file")
+    p.add_argument("--drafter", required=True,
+                   help="EAGLE-3 or DFlash drafter: a file or a shipped name")
     p.add_argument("--data", default="runs/data",
                    help="datagen / featurize shard directory; its heldout_* shards are used: "
                         "text sampled at --temperature, which the drafter was not trained on "

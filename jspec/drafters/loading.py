@@ -29,6 +29,14 @@ SHIPPED = {"smollm2-135m-eagle3": "smollm2-135m-eagle3.safetensors",
            # D²SD's second (variable-prefix) drafter; its file names the first (a DFlash).
            "smollm2-135m-d2sd": "smollm2-135m-d2sd.safetensors"}
 TREE_OPTIONS = ("branches", "branch_len")  # D²SD: tree shape (static)
+
+
+def drafter_file(name_or_path: str | os.PathLike) -> Path:
+    """The file of a trained drafter: a shipped name's file in jspec/assets, else the path."""
+    name = str(name_or_path)
+    return ASSETS / SHIPPED[name] if name in SHIPPED else Path(name).expanduser()
+
+
 # Options of a trained drafter (a shipped name or a .safetensors file).
 TRAINED = Registry("trained-drafter")
 TRAINED.register("file", lambda **kw: kw, {"cut": float, "branches": int, "branch_len": int},

@@ -221,6 +221,17 @@ class Frozen:
     to_draft: jax.Array = logical(None)  # i32[V]: draft index, -1 outside
     stats: dict[str, jax.Array] = dataclasses.field(default_factory=dict)  # FROZEN fields
 
+    @classmethod
+    def of(cls, embed: Any, vocab: Any, stats: dict[str, jax.Array]) -> Frozen:
+        """From the target's embedding [V, D] (its tied LM head), the draft vocabulary i32[Vd]
+        (target ids) and the feature statistics."""
+        embed = jnp.asarray(embed, jnp.float32)
+        vocab = np.asarray(vocab)
+        to_draft = np.full((embed.shape[0],), -1, np.int32)
+        to_draft[vocab] = np.arange(len(vocab), dtype=np.int32)
+        return cls(embed=embed, head=jnp.take(embed, jnp.asarray(vocab), axis=0),
+                   to_draft=jnp.asarray(to_draft), stats=stats)
+
 
 def forward_layers(layers: tuple[int, ...]) -> tuple[int, ...]:
     """The layers the target forward returns for `layers`: each once, sorted."""
