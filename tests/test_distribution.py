@@ -1,5 +1,6 @@
 """Losslessness by distribution on tiny models (default run): top-k and top-p, an EAGLE-3
-drafter's real q at T > 0, tree rounds at T > 0, and broken verifiers the same statistic rejects.
+drafter's real q at T > 0, tree rounds and the n-gram lookup wrapper at T > 0, and broken
+variants the same statistic rejects.
 
 Every check (tests/stats.py): ROWS independent rows of one prompt; the marginal of new token t
 over the rows, for t = 1..K+1 (every slot of the first round, the bonus included), compared
@@ -36,6 +37,7 @@ from test_trained_drafters import tiny_cfg
 import jspec
 from jspec.drafters import eagle3
 from jspec.drafters.base import ChainDrafter
+from jspec.drafters.ngram import LookupFirst
 from jspec.sampling import dense_q, process_logits, sample_from_probs
 from jspec.verify import Lossless, verify_chain
 
@@ -55,14 +57,17 @@ def flat_model() -> jspec.Model:
 
 
 @functools.cache
-def tiny_eagle3() -> tuple[jspec.Model, eagle3.Eagle3]:
-    """A random EAGLE-3 drafter (draft vocabulary: 64 of the 97 tokens) on `flat_model`, its
-    final norm scaled down so that q is broad and overlaps p (τ ≈ 1.27 at K = 3, T = 1)."""
+def tiny_eagle3(include: tuple[int, ...] = ()) -> tuple[jspec.Model, eagle3.Eagle3]:
+    """A random EAGLE-3 drafter (draft vocabulary: 64 of the 97 tokens, `include` among them)
+    on `flat_model`, its final norm scaled down so that q is broad and overlaps p (τ ≈ 1.27 at
+    K = 3, T = 1)."""
     model = flat_model()
     cfg = tiny_cfg("eagle3", model)
     params = eagle3.init_params(cfg, jax.random.key(3))
     params = dataclasses.replace(params, final_norm=params.final_norm * 0.3)
-    vocab = np.sort(np.random.default_rng(0).permutation(model.config.vocab_size)[:64])
+    perm = np.random.default_rng(0).permutation(model.config.vocab_size)
+    perm = np.concatenate([list(include), [t for t in perm if t not in include]])
+    vocab = np.sort(perm[:64])
     return model, eagle3.make(cfg, params, vocab, model.weights)
 
 
@@ -222,6 +227,36 @@ def test_topk_tree_at_t1(inner):
     tree = TopKTree(inner=d, k=3, nodes=8)
     _assert_lossless(*check_lossless(model, _T1, drafter=tree, length=jspec.FixedLength(K)),
                      min_tau=1.1 if inner == "early-exit:1" else 1.005)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StaleQLookup(LookupFirst):
+    """Broken: looked-up rows are verified with the inner drafter's q, not the one-hot of
+    their (deterministic) tokens."""
+
+    def draft(self, state, ctx, k, sampling, key):
+        inner, _ = self.inner.draft(state, ctx, k, sampling, key)
+        prop, state = super().draft(state, ctx, k, sampling, key)
+        return dataclasses.replace(prop, q=inner.q), state
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["lookup", "broken-stale-q"])
+def test_lookup_first_at_t1(broken):
+    """The tiny EAGLE-3 + n-gram lookup (`INNER+ngram:n_min=1`) at T = 1, K = 3: with 1-gram
+    matches most rounds look up (the flat target's text repeats single tokens often; PROMPT's
+    5, 6, 7 are in the drafter's vocabulary, so round 1 looks up after them), verified with a
+    one-hot q in the drafter's vocabulary; the other rounds draft with the real q. ROWS = 4096
+    per side, α = 0.01 (Holm over t = 1..4), keys 1 / 2 / 3; τ > 1.2 (≈ 1.26). The broken
+    variant (looked-up rows verified with the inner's q) is rejected by the same statistic
+    while its A/A control passes."""
+    model, inner = tiny_eagle3(include=(5, 6, 7))  # round 1 looks up "7 5 6"
+    drafter = (StaleQLookup if broken else LookupFirst)(inner=inner, n_min=1)
+    aa, test, fit, sp = check_lossless(model, _T1, drafter=drafter, length=jspec.FixedLength(K))
+    if broken:
+        assert aa.same and not (test.same and fit.same), (aa, test, fit)
+    else:
+        _assert_lossless(aa, test, fit, sp, min_tau=1.2)
 
 
 @jax.tree_util.register_static

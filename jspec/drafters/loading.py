@@ -10,7 +10,7 @@ from typing import Any
 from safetensors import safe_open
 
 from jspec import defaults
-from jspec.drafters import d2sd, dflash, eagle3, interop, topk_tree
+from jspec.drafters import d2sd, dflash, eagle3, interop, ngram, topk_tree
 from jspec.drafters.draft_model import DraftModel
 from jspec.drafters.ngram import NGram
 from jspec.drafters.trained import check_target, load_drafter_file
@@ -45,6 +45,8 @@ TRAINED.register("file", lambda **kw: kw, {"cut": float, "branches": int, "branc
 WRAPPERS = Registry("proposer")
 WRAPPERS.register("topk", topk_tree.from_options, {"k": int, "nodes": int, "width": int},
                   usage="k=K,nodes=N,width=W")
+WRAPPERS.register("ngram", ngram.lookup_first, {"n_min": int, "n_max": int},
+                  usage="n_min=M,n_max=N")
 
 
 def _trained(path: Path, target: Any, cut: float | None, name: str,

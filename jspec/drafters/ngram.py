@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jspec.drafters.base import Capabilities, ChainDrafter, DraftContext
+from jspec.drafters.base import Capabilities, ChainDrafter, DraftContext, Proposal
 from jspec.errors import JspecError
 from jspec.sampling import Sampling
 
@@ -68,3 +68,80 @@ class NGram(ChainDrafter):
                 key: jax.Array) -> tuple[jax.Array, None, None]:
         tokens, _ = self.lookup(ctx.seq, ctx.cache_len + 1, k)
         return tokens, None, state
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LookupFirst:
+    """A chain drafter whose proposal gives way to the n-gram lookup's where the text repeats
+    (`INNER+ngram[:n_min=M,n_max=N]`).
+
+    Every round the inner drafter drafts as usual (its state follows the committed text either
+    way); in each row whose committed text ends in an n-gram of at least `n_min` tokens seen
+    earlier (longest first, up to `n_max`), the proposal is that occurrence's continuation
+    instead (`NGram.lookup`). When sampling, its q there is one-hot (the lookup is a
+    deterministic function of the committed text, so verification stays lossless) over the
+    inner drafter's q vocabulary: the continuation is cut at its first token outside it, and a
+    row whose first looked-up token is outside keeps the inner drafter's chain.
+
+    A trained drafter and the lookup miss in different places: on held-out greedy answers,
+    following the n-gram continuation wherever a 2-token suffix repeats raises greedy τ of the
+    shipped EAGLE-3 by 14-17% at K = 2-3 (docs/BENCHMARKS.md, "Lookup first").
+    """
+
+    inner: Any
+    n_max: int = dataclasses.field(metadata=dict(static=True), default=3)
+    n_min: int = dataclasses.field(metadata=dict(static=True), default=2)
+    name: str = dataclasses.field(metadata=dict(static=True), default="lookup-first")
+    default_k: int = dataclasses.field(metadata=dict(static=True), default=0)  # 0: inner's
+    max_batch: int | None = dataclasses.field(metadata=dict(static=True),
+                                              default=-1)  # -1: inner's
+
+    def __post_init__(self) -> None:
+        c = getattr(self.inner, "caps", None)
+        if c is None or c.tree:
+            raise JspecError("+ngram needs a chain drafter (EAGLE-3, DFlash, early-exit, a "
+                             f"draft model), got {type(self.inner).__name__}")
+        NGram(n_max=self.n_max, n_min=self.n_min)  # the same checks
+
+    @property
+    def caps(self) -> Capabilities:
+        c = self.inner.caps
+        # No block extension (LibraSpec) nor DIVERSED hidden states: a looked-up chain has
+        # neither.
+        return Capabilities(feature_layers=c.feature_layers, feature_norm=c.feature_norm,
+                            may_abstain=True, default_k=self.default_k or c.default_k,
+                            max_batch=c.max_batch if self.max_batch == -1 else self.max_batch)
+
+    def init_state(self, features: jax.Array | None, prompt_ids: jax.Array,
+                   prompt_lengths: jax.Array, capacity: int, *, k: int,
+                   verify_width: int | None = None) -> Any:
+        return self.inner.init_state(features, prompt_ids, prompt_lengths, capacity, k=k,
+                                     verify_width=verify_width)
+
+    def observe(self, state: Any, feats: jax.Array, start: jax.Array, count: jax.Array) -> Any:
+        return self.inner.observe(state, feats, start, count)
+
+    def draft(self, state: Any, ctx: DraftContext, k: int, sampling: Sampling,
+              key: jax.Array) -> tuple[Proposal, Any]:
+        prop, state = self.inner.draft(state, ctx, k, sampling, key)
+        looked, found = NGram(n_max=self.n_max, n_min=self.n_min).lookup(
+            ctx.seq, ctx.cache_len + 1, k)  # [B, k], [B]
+        q = prop.q
+        if q is not None:  # one-hot over the inner's q vocabulary, the chain cut outside it
+            ids = (jnp.arange(q.shape[-1], dtype=jnp.int32) if prop.q_vocab is None
+                   else prop.q_vocab)
+            hot = looked[..., None] == ids  # [B, k, Vq]
+            inside = jnp.cumprod(jnp.any(hot, axis=-1), axis=1).astype(bool)
+            looked = jnp.where(inside, looked, -1)
+        use = found & (looked[:, 0] >= 0)  # [B] (a match's first token is always known)
+        if q is not None:
+            q = jnp.where(use[:, None, None], hot.astype(q.dtype), q)
+        tokens = jnp.where(use[:, None], looked, prop.tokens)
+        return Proposal(tokens=tokens, q=q, q_vocab=prop.q_vocab), state
+
+
+def lookup_first(inner: Any, n_max: int = 3, n_min: int = 2) -> LookupFirst:
+    """`load_drafter`'s `INNER+ngram:n_min=M,n_max=N`."""
+    return LookupFirst(inner=inner, n_max=n_max, n_min=n_min,
+                       name=f"{getattr(inner, 'name', 'drafter')}+ngram")

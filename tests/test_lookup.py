@@ -1,0 +1,122 @@
+"""`INNER+ngram`: a chain drafter that gives way to the n-gram lookup where the text repeats —
+which rows take the lookup, its one-hot q and the cut at the inner vocabulary, greedy identity
+with autoregressive decoding, loading, errors, no recompiles. (Lossless at T = 1:
+tests/test_distribution.py::test_lookup_first_at_t1.)"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import pad_prompts as _pad
+from conftest import tiny_model
+from test_trained_drafters import PROMPTS, tiny_drafter
+
+import jspec
+from jspec.drafters.base import ChainDrafter, DraftContext
+from jspec.drafters.ngram import LookupFirst
+from jspec.errors import JspecError
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Fixed(ChainDrafter):
+    """Always proposes 90, 91, 92, ... with a uniform q over `vocab` when sampling."""
+
+    vocab: tuple[int, ...] = ()
+
+    @property
+    def q_vocab(self):
+        return jnp.asarray(self.vocab, jnp.int32) if self.vocab else None
+
+    def init_state(self, features, prompt_ids, prompt_lengths, capacity, *, k=0, verify_width=0):
+        return None
+
+    def propose(self, state, ctx, k, sampling, key):
+        b = ctx.seq.shape[0]
+        tokens = jnp.broadcast_to(90 + jnp.arange(k, dtype=jnp.int32), (b, k))
+        vq = len(self.vocab) or 97
+        q = None if sampling.greedy else jnp.full((b, k, vq), 1.0 / vq)
+        return tokens, q, state
+
+
+def _ctx(rows: list[list[int]]) -> DraftContext:
+    c = max(map(len, rows)) + 4
+    seq = np.zeros((len(rows), c), np.int32)
+    for i, r in enumerate(rows):
+        seq[i, : len(r)] = r
+    lens = np.asarray([len(r) for r in rows], np.int32)
+    return DraftContext(seq=jnp.asarray(seq), cache_len=jnp.asarray(lens - 1),
+                        last=jnp.asarray(seq[np.arange(len(rows)), lens - 1]))
+
+
+def test_rows_that_repeat_take_the_lookup_the_others_the_inner_chain():
+    """Row 0 ends in "5 6", seen before: "7 5 6" (n_min 2). Row 1 never repeats; row 2 repeats
+    only its last token (a 1-gram: below n_min 2, the inner chain; with n_min 1, the lookup).
+    Sampling: q is one-hot on looked-up rows, the inner's elsewhere; a looked-up chain is cut
+    at its first token outside the inner q vocabulary, and a row whose first looked-up token
+    is outside it keeps the inner chain."""
+    ctx = _ctx([[5, 6, 7, 5, 6], [9, 10, 11, 12], [3, 4, 3]])
+    d = LookupFirst(inner=Fixed())
+    greedy, t1 = jspec.Sampling(), jspec.Sampling(temperature=1.0)
+    prop, _ = d.draft(None, ctx, 3, greedy, jax.random.key(0))
+    np.testing.assert_array_equal(prop.tokens, [[7, 5, 6], [90, 91, 92], [90, 91, 92]])
+    assert prop.q is None
+    prop, _ = LookupFirst(inner=Fixed(), n_min=1).draft(None, ctx, 3, greedy, jax.random.key(0))
+    np.testing.assert_array_equal(prop.tokens[2], [4, 3, -1])  # known tokens only
+    prop, _ = d.draft(None, ctx, 3, t1, jax.random.key(0))
+    q = np.asarray(prop.q)
+    np.testing.assert_array_equal(q[0], np.eye(97, dtype=np.float32)[[7, 5, 6]])
+    np.testing.assert_allclose(q[1:], 1.0 / 97)
+    vocab = tuple(v for v in range(97) if v != 6)  # 6 is outside: "7 5" then the cut
+    prop, _ = LookupFirst(inner=Fixed(vocab=vocab)).draft(None, ctx, 3, t1, jax.random.key(0))
+    np.testing.assert_array_equal(prop.tokens[0], [7, 5, -1])
+    np.testing.assert_array_equal(np.asarray(prop.q)[0, 0], np.asarray(vocab) == 7)
+    vocab = tuple(v for v in range(97) if v != 7)  # the first looked-up token is outside
+    prop, _ = LookupFirst(inner=Fixed(vocab=vocab)).draft(None, ctx, 3, t1, jax.random.key(0))
+    np.testing.assert_array_equal(prop.tokens[0], [90, 91, 92])
+    np.testing.assert_allclose(np.asarray(prop.q)[0], 1.0 / 96)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_identity(kind, k):
+    """Greedy decoding with a trained drafter + lookup is token-identical to autoregressive
+    decoding (the drafter's features follow whichever chain was accepted); the lookup does
+    change the rounds (the tiny target repeats itself)."""
+    model, inner = tiny_drafter(kind)
+    ids, lens = _pad(PROMPTS)
+    ar = jspec.generate(model, ids, lens, max_new_tokens=16)
+    kw = dict(max_new_tokens=16, length=jspec.FixedLength(k))
+    alone = jspec.generate(model, ids, lens, drafter=inner, **kw)
+    both = jspec.generate(model, ids, lens, drafter=LookupFirst(inner=inner), **kw)
+    np.testing.assert_array_equal(both.tokens, ar.tokens)
+    np.testing.assert_array_equal(alone.tokens, ar.tokens)
+    assert not np.array_equal(both.stats.rounds, alone.stats.rounds)
+    assert int(np.sum(both.stats.accepted)) > 0
+
+
+def test_load_spec_errors_and_no_recompile():
+    base = tiny_model("llama_tied_gqa2", seed=1)
+    model = jspec.Model(config=base.config.replace(eos_ids=()), weights=base.weights)
+    d = jspec.load_drafter("early-exit:1+ngram:n_min=3", target=model)
+    assert isinstance(d, LookupFirst) and (d.n_min, d.n_max) == (3, 3)
+    assert d.name == "early-exit:1+ngram" and d.caps.may_abstain and not d.caps.tree
+    assert jspec.load_drafter("early-exit:1+ngram", target=model).n_min == 2
+    with pytest.raises(JspecError, match="n_min <= n_max"):
+        jspec.load_drafter("early-exit:1+ngram:n_min=0", target=model)
+    with pytest.raises(JspecError, match="chain drafter"):
+        jspec.load_drafter("early-exit:1+topk+ngram", target=model)
+    with pytest.raises(JspecError, match="bad proposer option"):
+        jspec.load_drafter("early-exit:1+ngram:k=3", target=model)
+    ids, lens = _pad(PROMPTS)
+    kw = dict(max_new_tokens=8, drafter=d, length=jspec.FixedLength(3))
+    jspec.generate(model, ids, lens, **kw).tokens.block_until_ready()
+    from jspec.decode import _generate
+    before = _generate._cache_size()
+    ids2, lens2 = _pad([[40, 41, 42], [50], [3, 4], [60, 61, 62, 63]])
+    jspec.generate(model, ids2, lens2, key=jax.random.key(3), **kw).tokens.block_until_ready()
+    assert _generate._cache_size() == before
