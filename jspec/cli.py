@@ -94,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "smollm2-135m-d2sd[:branches=4,branch_len=1] = D²SD tree "
                                      "drafting, use --k 7), or a draft model directory / .gguf; "
                                      "any chain drafter + '+topk[:k=K,nodes=N]' proposes its "
-                                     "top-k token tree (default: plain autoregressive decoding)")
+                                     "top-k token tree, + '+ngram[:n_min=2]' gives way to the "
+                                     "n-gram lookup where the text repeats (default: plain "
+                                     "autoregressive decoding)")
     g.add_argument("--k", type=int, help="drafted tokens verified per round (default: the "
                                           "drafter's record, see --dtype; else 5; past the "
                                           "record's batch limit, plain decoding, which is "

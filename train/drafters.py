@@ -11,9 +11,10 @@ and the position weights become 1 before k* and the base decay restarted at k*.
 Infrastructure: Optax AdamW with warmup + cosine decay and global-norm clipping; Orbax
 checkpoints every --ckpt-every steps and at the end; a rerun of the same command resumes from the
 last checkpoint (batches and anchors are functions of (seed, step), so a resumed run is the run
-that would have happened). Progress bar with loss and simulated acceptance; periodic simulated τ
-on the held-out shards. The result is a safetensors drafter file (bfloat16) that
-`jspec.load_drafter` reads.
+that would have happened). Progress bar with loss and simulated acceptance; periodic held-out
+evaluation: simulated τ at sampled positions and `tau_replay`, the τ greedy decoding gets along
+the held-out greedy answers (`replay_rounds`). The result is a safetensors drafter file
+(bfloat16) that `jspec.load_drafter` reads.
 """
 
 from __future__ import annotations
@@ -604,9 +605,9 @@ def add_parsers(sub: Any) -> None:
                             "it: its tokens stay, the next most frequent are added)")
         p.add_argument("--ffn", type=int, default=RECIPES[kind].ffn, help="drafter MLP width")
         p.add_argument("--init", default="",
-                       help="continue from this drafter (a file or a shipped name, e.g. "
-                            "smollm2-135m-eagle3: its shape, vocabulary and feature "
-                            "statistics; a fresh optimizer and schedule): more steps or more "
+                       help="continue from this drafter, a file or a shipped name (e.g. "
+                            "smollm2-135m-eagle3), with its shape, vocabulary and feature "
+                            "statistics and a fresh optimizer and schedule: more steps or more "
                             "data on a trained drafter")
         RECIPES[kind].add_args(p)
         p.add_argument("--vat", action="store_true",
