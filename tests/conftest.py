@@ -99,6 +99,18 @@ def pad_prompts(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     return ids, np.asarray([len(p) for p in prompts], np.int32)
 
 
+def assert_second_call_compiles_nothing(model, prompts: list[list[int]], **kw) -> None:
+    """`jspec.generate(model, prompts, **kw)`, then the same call on other prompts (other
+    lengths, one batch of 4) with another key: the second compiles nothing."""
+    from jspec.decode import _generate
+
+    jspec.generate(model, *pad_prompts(prompts), **kw).tokens.block_until_ready()
+    before = _generate._cache_size()
+    ids, lens = pad_prompts([[40, 41, 42], [50], [3, 4], [60, 61, 62, 63]])
+    jspec.generate(model, ids, lens, key=jax.random.key(3), **kw).tokens.block_until_ready()
+    assert _generate._cache_size() == before
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
     """Drop each test module's compiled programs when it ends: the default run compiles

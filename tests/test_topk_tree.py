@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_second_call_compiles_nothing, tiny_model
 from conftest import pad_prompts as _pad
-from conftest import tiny_model
 from test_trained_drafters import PROMPTS, tiny_cfg
 
 import jspec
@@ -112,14 +112,8 @@ def test_load_spec_errors_and_no_recompile():
     with pytest.raises(JspecError, match="Lossless"):
         jspec.generate(model, *_pad(PROMPTS), max_new_tokens=4, drafter=d,
                        verifier=jspec.ASD(), length=jspec.FixedLength(2))
-    ids, lens = _pad(PROMPTS)
-    kw = dict(max_new_tokens=8, drafter=d, length=jspec.FixedLength(3))
-    jspec.generate(model, ids, lens, **kw).tokens.block_until_ready()
-    from jspec.decode import _generate
-    before = _generate._cache_size()
-    ids2, lens2 = _pad([[40, 41, 42], [50], [3, 4], [60, 61, 62, 63]])
-    jspec.generate(model, ids2, lens2, key=jax.random.key(3), **kw).tokens.block_until_ready()
-    assert _generate._cache_size() == before
+    assert_second_call_compiles_nothing(model, PROMPTS, max_new_tokens=8, drafter=d,
+                                        length=jspec.FixedLength(3))
 
 
 @pytest.mark.real
