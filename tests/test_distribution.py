@@ -66,7 +66,7 @@ def tiny_eagle3(include: tuple[int, ...] = ()) -> tuple[jspec.Model, eagle3.Eagl
     params = eagle3.init_params(cfg, jax.random.key(3))
     params = dataclasses.replace(params, final_norm=params.final_norm * 0.3)
     perm = np.random.default_rng(0).permutation(model.config.vocab_size)
-    perm = np.concatenate([list(include), [t for t in perm if t not in include]])
+    perm = np.asarray([*include, *(t for t in perm if t not in include)], perm.dtype)
     vocab = np.sort(perm[:64])
     return model, eagle3.make(cfg, params, vocab, model.weights)
 
