@@ -412,13 +412,14 @@ def drafts_along(params: Params, frozen: Frozen, b: dict[str, np.ndarray], cfg: 
     position (-1 where nothing is drafted from there)."""
     rows, s = b["tokens"].shape
     chunk = RECIPES[cfg.kind].replay_chunk or s
-    dev = _to_device(mesh, {k: v for k, v in b.items() if k in ("tokens", "feats")})
     drafts = None
     for c in range(0, s, chunk):
         pos = np.minimum(np.arange(c, c + chunk, dtype=np.int32), s - 1)
-        d, first = sharding.to_host(greedy_drafts(
-            params, frozen, dev, jnp.asarray(np.broadcast_to(pos, (rows, chunk))),
-            kind=cfg.kind, cfg=cfg))
+        # Placed like the batch (rows over `data` on a mesh; every process holds all of it).
+        dev = _to_device(mesh, {"tokens": b["tokens"], "feats": b["feats"], "lens": b["lens"],
+                                "pos": np.ascontiguousarray(np.broadcast_to(pos, (rows, chunk)))})
+        d, first = sharding.to_host(greedy_drafts(params, frozen, dev, dev["pos"],
+                                                  kind=cfg.kind, cfg=cfg))
         if drafts is None:
             drafts = np.full((rows, s, d.shape[-1]), -1, np.int32)
         ok = (first >= 0) & (first < s)
