@@ -106,6 +106,7 @@ def test_load_spec_errors_and_no_recompile():
     assert isinstance(d, LookupFirst) and (d.n_min, d.n_max) == (3, 3)
     assert d.name == "early-exit:1+ngram" and d.caps.may_abstain and not d.caps.tree
     assert jspec.load_drafter("early-exit:1+ngram", target=model).n_min == 2
+    assert jspec.load_drafter("early-exit:1+ngram:n_min=4", target=model).n_max == 4
     with pytest.raises(JspecError, match="n_min <= n_max"):
         jspec.load_drafter("early-exit:1+ngram:n_min=0", target=model)
     with pytest.raises(JspecError, match="chain drafter"):

@@ -86,7 +86,7 @@ class LookupFirst:
 
     A trained drafter and the lookup miss in different places: on held-out greedy answers,
     following the n-gram continuation wherever a 2-token suffix repeats raises greedy τ of the
-    shipped EAGLE-3 by 14-17% at K = 2-3 (docs/BENCHMARKS.md, "Lookup first").
+    shipped EAGLE-3 by 14-17% at K = 2-3 (docs/BENCHMARKS.md, "... the n-gram lookup first").
     """
 
     inner: Any
@@ -141,7 +141,7 @@ class LookupFirst:
         return Proposal(tokens=tokens, q=q, q_vocab=prop.q_vocab), state
 
 
-def lookup_first(inner: Any, n_max: int = 3, n_min: int = 2) -> LookupFirst:
-    """`load_drafter`'s `INNER+ngram:n_min=M,n_max=N`."""
-    return LookupFirst(inner=inner, n_max=n_max, n_min=n_min,
+def lookup_first(inner: Any, n_max: int | None = None, n_min: int = 2) -> LookupFirst:
+    """`load_drafter`'s `INNER+ngram:n_min=M,n_max=N` (n_max default: max(3, n_min))."""
+    return LookupFirst(inner=inner, n_max=max(3, n_min) if n_max is None else n_max, n_min=n_min,
                        name=f"{getattr(inner, 'name', 'drafter')}+ngram")
