@@ -89,7 +89,7 @@ for f in files:
         d = drafts_along(params, frozen, b, cfg)[0][:n]
         if lookup:  # target ids: a looked-up token may be outside the draft vocabulary
             ids = np.where(d >= 0, vocab[np.maximum(d, 0)], -1)
-            found = looked_up(tokens[:n], kmax)
+            found = looked_up(tokens[:n], d.shape[1])
             ids = np.where((found[:, :1] >= 0), found, ids)
         for j, k in enumerate(ks):
             for v in variants:
