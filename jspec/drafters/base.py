@@ -24,6 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 import jax.numpy as jnp
 
+from jspec.errors import JspecError
 from jspec.models.llama import tree_ancestors
 from jspec.sampling import Sampling
 
@@ -160,3 +161,41 @@ class ChainDrafter:
         """Target features of the accepted path f32[B, M, F, D] at positions start..,
         `count` valid (drafters with `caps.feature_layers`); nothing to do by default."""
         return state
+
+
+@dataclasses.dataclass(frozen=True)
+class Proposer:
+    """Base of the proposers around a chain drafter `inner` (`INNER+name`: `TopKTree`,
+    `LookupFirst`): the inner drafter's state follows the committed text (`init_state`,
+    `observe` pass through), and the proposer inherits its feature layers and its measured
+    defaults unless given its own (`default_k` 0: the inner's; `max_batch` -1: the inner's).
+    Subclasses are registered dataclasses: `inner` is a pytree child, the rest static."""
+
+    inner: Any
+    name: str = dataclasses.field(metadata=dict(static=True), default="proposer")
+    default_k: int = dataclasses.field(metadata=dict(static=True), default=0)  # 0: inner's
+    max_batch: int | None = dataclasses.field(metadata=dict(static=True),
+                                              default=-1)  # -1: inner's
+    what = "a proposer"  # for the error naming a non-chain inner drafter
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.inner, Drafter) or self.inner.caps.tree:
+            raise JspecError(f"{self.what} needs a chain drafter (n-gram, early-exit, EAGLE-3, "
+                             f"DFlash, a draft model), got {type(self.inner).__name__}")
+
+    def inherited_caps(self, **kw: Any) -> Capabilities:
+        """The inner drafter's feature layers and defaults (this proposer's where set) + kw."""
+        c = self.inner.caps
+        return Capabilities(feature_layers=c.feature_layers, feature_norm=c.feature_norm,
+                            default_k=self.default_k or c.default_k,
+                            max_batch=c.max_batch if self.max_batch == -1 else self.max_batch,
+                            **kw)
+
+    def init_state(self, features: jax.Array | None, prompt_ids: jax.Array,
+                   prompt_lengths: jax.Array, capacity: int, *, k: int,
+                   verify_width: int | None = None) -> Any:
+        return self.inner.init_state(features, prompt_ids, prompt_lengths, capacity, k=k,
+                                     verify_width=verify_width)
+
+    def observe(self, state: Any, feats: jax.Array, start: jax.Array, count: jax.Array) -> Any:
+        return self.inner.observe(state, feats, start, count)

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jspec.drafters.base import Capabilities, ChainDrafter, DraftContext, Proposal
+from jspec.drafters.base import Capabilities, ChainDrafter, DraftContext, Proposal, Proposer
 from jspec.errors import JspecError
 from jspec.sampling import Sampling
 
@@ -72,7 +72,7 @@ class NGram(ChainDrafter):
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class LookupFirst:
+class LookupFirst(Proposer):
     """A chain drafter whose proposal gives way to the n-gram lookup's where the text repeats
     (`INNER+ngram[:n_min=M,n_max=N]`).
 
@@ -89,38 +89,20 @@ class LookupFirst:
     shipped EAGLE-3 by 14-17% at K = 2-3 (docs/BENCHMARKS.md, "... the n-gram lookup first").
     """
 
-    inner: Any
     n_max: int = dataclasses.field(metadata=dict(static=True), default=3)
     n_min: int = dataclasses.field(metadata=dict(static=True), default=2)
-    name: str = dataclasses.field(metadata=dict(static=True), default="lookup-first")
-    default_k: int = dataclasses.field(metadata=dict(static=True), default=0)  # 0: inner's
-    max_batch: int | None = dataclasses.field(metadata=dict(static=True),
-                                              default=-1)  # -1: inner's
+    what = "+ngram"
 
     def __post_init__(self) -> None:
-        c = getattr(self.inner, "caps", None)
-        if c is None or c.tree:
-            raise JspecError("+ngram needs a chain drafter (EAGLE-3, DFlash, early-exit, a "
-                             f"draft model), got {type(self.inner).__name__}")
+        super().__post_init__()
         NGram(n_max=self.n_max, n_min=self.n_min)  # the same checks
 
     @property
     def caps(self) -> Capabilities:
-        c = self.inner.caps
         # No block extension (LibraSpec) nor DIVERSED hidden states: a looked-up chain has
-        # neither.
-        return Capabilities(feature_layers=c.feature_layers, feature_norm=c.feature_norm,
-                            may_abstain=True, default_k=self.default_k or c.default_k,
-                            max_batch=c.max_batch if self.max_batch == -1 else self.max_batch)
-
-    def init_state(self, features: jax.Array | None, prompt_ids: jax.Array,
-                   prompt_lengths: jax.Array, capacity: int, *, k: int,
-                   verify_width: int | None = None) -> Any:
-        return self.inner.init_state(features, prompt_ids, prompt_lengths, capacity, k=k,
-                                     verify_width=verify_width)
-
-    def observe(self, state: Any, feats: jax.Array, start: jax.Array, count: jax.Array) -> Any:
-        return self.inner.observe(state, feats, start, count)
+        # neither. It abstains only where the inner drafter does: a looked-up chain replaces a
+        # row's proposal only when its first token is known.
+        return self.inherited_caps(may_abstain=self.inner.caps.may_abstain)
 
     def draft(self, state: Any, ctx: DraftContext, k: int, sampling: Sampling,
               key: jax.Array) -> tuple[Proposal, Any]:

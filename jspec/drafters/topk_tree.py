@@ -37,7 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jspec.drafters.base import Capabilities, DraftContext, Drafter, Proposal
+from jspec.drafters.base import Capabilities, DraftContext, Proposal, Proposer
 from jspec.errors import JspecError
 from jspec.sampling import Sampling
 
@@ -52,28 +52,23 @@ def tree_nodes(k: int, nodes: int, width: int, chain: int) -> int:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class TopKTree:
-    """A tree drafter around a chain drafter `inner` (see the module docstring).
+class TopKTree(Proposer):
+    """A tree drafter around a chain drafter `inner` (see the module docstring; `Proposer`:
+    the inner's state, feature layers and defaults).
 
     k: children per expanded node, >= 1.
     nodes: node budget N per round (static; the verify forward scores N + 1 tokens).
     width: nodes expanded per level by a drafter that expands (1 <= width <= k; 0: k).
     """
 
-    inner: Any
     k: int = dataclasses.field(metadata=dict(static=True), default=4)
     nodes: int = dataclasses.field(metadata=dict(static=True), default=16)
     width: int = dataclasses.field(metadata=dict(static=True), default=0)
     draft_temperature: float = dataclasses.field(metadata=dict(static=True), default=0.25)
-    name: str = dataclasses.field(metadata=dict(static=True), default="topk-tree")
-    default_k: int = dataclasses.field(metadata=dict(static=True), default=0)  # 0: inner's
-    max_batch: int | None = dataclasses.field(metadata=dict(static=True),
-                                              default=-1)  # -1: inner's
+    what = "a top-k tree"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.inner, Drafter) or self.inner.caps.tree:
-            raise JspecError("a top-k tree needs a chain drafter (n-gram, early-exit, EAGLE-3, "
-                             f"DFlash), got {type(self.inner).__name__}")
+        super().__post_init__()
         if not isinstance(self.k, int) or self.k < 1:
             raise JspecError(f"top-k tree k must be an integer >= 1, got {self.k!r}")
         if not isinstance(self.nodes, int) or self.nodes < 1:
@@ -92,12 +87,8 @@ class TopKTree:
 
     @property
     def caps(self) -> Capabilities:
-        c = self.inner.caps
-        return Capabilities(feature_layers=c.feature_layers, feature_norm=c.feature_norm,
-                            tree=True, nodes=functools.partial(tree_nodes, self.k, self.nodes,
-                                                               self.expand_width),
-                            default_k=self.default_k or c.default_k,
-                            max_batch=c.max_batch if self.max_batch == -1 else self.max_batch)
+        return self.inherited_caps(tree=True, nodes=functools.partial(
+            tree_nodes, self.k, self.nodes, self.expand_width))
 
     def init_state(self, features: jax.Array | None, prompt_ids: jax.Array,
                    prompt_lengths: jax.Array, capacity: int, *, k: int,
@@ -107,9 +98,6 @@ class TopKTree:
         return self.inner.init_state(features, prompt_ids, prompt_lengths,
                                      capacity + (k - 1) * self.expand_width, k=k,
                                      verify_width=k)
-
-    def observe(self, state: Any, feats: jax.Array, start: jax.Array, count: jax.Array) -> Any:
-        return self.inner.observe(state, feats, start, count)
 
     def draft(self, state: Any, ctx: DraftContext, k: int, sampling: Sampling,
               key: jax.Array) -> tuple[Proposal, Any]:
