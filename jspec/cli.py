@@ -22,7 +22,8 @@ def _shipped_defaults() -> str:
         return "(unreadable)"
     return "; ".join(f"{cls}: " + ", ".join(
         f"{n} plain {r.get('dtype')} (no k beat it)" if r.get("max_batch") == 0
-        else f"{n} k={r.get('k')} {r.get('dtype')}"
+        else f"{n}" + (f" as {n}+{r['proposer']}" if r.get("proposer") else "")
+        + f" k={r.get('k')} {r.get('dtype')}"
         + (f" up to batch {r['max_batch']}" if r.get("max_batch") else "")
         for n, r in table.items()) for cls, table in data.items()) or "none"
 
@@ -95,8 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
                                      "drafting, use --k 7), or a draft model directory / .gguf; "
                                      "any chain drafter + '+topk[:k=K,nodes=N]' proposes its "
                                      "top-k token tree, + '+ngram[:n_min=2]' gives way to the "
-                                     "n-gram lookup where the text repeats (default: plain "
-                                     "autoregressive decoding)")
+                                     "n-gram lookup where the text repeats. A name whose "
+                                     "record (see --dtype) names a proposer runs with it, "
+                                     "e.g. smollm2-135m-eagle3 as smollm2-135m-eagle3+ngram "
+                                     "on a cpu machine (lossless, chain lengths; "
+                                     "--drafter-alone: without it). Default: plain "
+                                     "autoregressive decoding")
+    g.add_argument("--drafter-alone", action="store_true",
+                   help="use --drafter by itself, not inside the proposer its record names")
     g.add_argument("--k", type=int, help="drafted tokens verified per round (default: the "
                                           "drafter's record, see --dtype; else 5; past the "
                                           "record's batch limit, plain decoding, which is "
@@ -145,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     cd.add_argument("--model", default="smollm2-135m", help="target model (default smollm2-135m)")
     cd.add_argument("--drafter", required=True, help="drafter spec, as for generate --drafter")
     cd.add_argument("--ks", default="2,3,4,5", help="chain lengths to try (default 2,3,4,5)")
+    cd.add_argument("--proposers", default=None,
+                    help="proposers to try around the drafter, comma-separated, 'none' for the "
+                         "drafter alone, e.g. none,ngram (default: none, and the proposer the "
+                         "drafter's current record names); --save records the best one")
     cd.add_argument("--dtypes", default="bfloat16,float32",
                     help="target dtypes to try (default bfloat16,float32)")
     cd.add_argument("--prompts", default="humaneval:8-16",
@@ -301,8 +312,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     mesh = jspec.sharding.parse_mesh(args.mesh) if args.mesh else None
     if not args.drafter and (length is not None or args.verifier != "lossless"
-                             or args.acceptance_impl != "xla"):
-        raise JspecError("--k/--length/--verifier/--acceptance-impl need --drafter")
+                             or args.acceptance_impl != "xla" or args.drafter_alone):
+        raise JspecError("--k/--length/--verifier/--acceptance-impl/--drafter-alone need "
+                         "--drafter")
     verifier = with_acceptance_impl(parse_verifier(args.verifier), args.acceptance_impl)
     if args.dtype is None:
         record = defaults.lookup(args.drafter) if args.drafter else None
@@ -310,7 +322,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model = jspec.load_model(args.model, dtype=args.dtype).with_attention_impl(args.attention_impl)
     if mesh is not None:  # place the weights once (not per prompt), before a drafter shares them
         model = jspec.sharding.shard_model(model, mesh)
-    drafter = jspec.load_drafter(args.drafter, target=model) if args.drafter else None
+    spec_name = args.drafter
+    if args.drafter and not args.drafter_alone and default_proposer_applies(verifier, length):
+        spec_name = defaults.resolve(args.drafter)
+        if spec_name != args.drafter and show:
+            print(f"note: --drafter {args.drafter} runs as {spec_name}, its measured-best "
+                  f"configuration on this {machine_class()} machine (its jspec.defaults "
+                  f"record); --drafter-alone runs it without", file=sys.stderr)
+    drafter = jspec.load_drafter(spec_name, target=model) if args.drafter else None
     if mesh is not None:
         drafter = jspec.sharding.shard_drafter(drafter, mesh)
     if drafter is not None and plain_is_faster(drafter, length, verifier, args.batch_size):
@@ -323,6 +342,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec = dict(drafter=drafter, length=length, verifier=verifier if drafter else None, mesh=mesh)
     key = jax.random.key(args.seed)
     prov = provenance(dtype=args.dtype) if args.json else None  # machine, versions, command
+    if prov is not None:
+        prov["drafter"] = spec_name  # the configuration that ran (with its record's proposer)
     if batched:
         return _generate_batched(args, model, prompts, spec, sampling, key, prov, show,
                                  bad_lines=_count_lines(args) - n_read)
@@ -414,6 +435,16 @@ def _generate_batched(args: argparse.Namespace, model: Any, prompts: list[tuple[
         print(f"{skipped} prompt(s) skipped (named above)", file=sys.stderr)
         return 1
     return 0
+
+
+def default_proposer_applies(verifier: Any, length: Any) -> bool:
+    """Whether `generate` wraps a drafter in its record's proposer: the configuration the
+    record measured, lossless verification of a chain (no relaxed verifier, whose q or hidden
+    states a looked-up chain lacks, and no LibraSpec block extension)."""
+    from jspec.length import FixedLength  # noqa: PLC0415
+    from jspec.verify import Lossless  # noqa: PLC0415
+
+    return isinstance(verifier, Lossless) and (length is None or isinstance(length, FixedLength))
 
 
 def _length(args: argparse.Namespace) -> Any:

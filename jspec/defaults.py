@@ -2,7 +2,7 @@
 not told.
 
 `generate --drafter NAME` with no `--k`/`--length`/`--dtype`, and `jspec.generate(...,
-drafter=d)` with no `length=` (d from `load_drafter(NAME)`), use the record of NAME for this
+drafter=d)` with no `length=` (d from `load_drafter(NAME, best=True)`), use the record of NAME for this
 machine's class (`jspec.provenance.machine_class()`: "cpu-bf16" for a CPU with bfloat16 matmul
 instructions, "cpu" for one without, "gpu", "tpu"; `$JSPEC_MACHINE_CLASS` overrides it):
   1. the user's record, written by `python -m jspec calibrate --drafter NAME --save` on their
@@ -10,6 +10,9 @@ instructions, "cpu" for one without, "gpu", "tpu"; `$JSPEC_MACHINE_CLASS` overri
   2. the shipped record, `jspec/assets/defaults.json`, measured on 2-core CPUs of each class
      (docs/BENCHMARKS.md names the runs);
   3. none: k = 5 (`FixedLength()`), and the CLI's float32.
+A record may also name a proposer to wrap around the drafter (`"proposer": "ngram"`: the
+measured-best configuration is `NAME+ngram`); `resolve(NAME)` gives that spec, which
+`generate --drafter NAME` (lossless, chain lengths) and `load_drafter(NAME, best=True)` load.
 A defaults file maps machine classes to records, each keyed by the drafter spec's base name
 ("ngram" for "ngram:n=4", "smollm2-135m-eagle3" for "smollm2-135m-eagle3:cut=0.5"; a
 "+proposer" keeps its suffix: "smollm2-135m-eagle3+topk"):
@@ -35,12 +38,14 @@ DTYPES = ("float32", "bfloat16")
 class Record:
     """k: drafted tokens per round; dtype: the target's dtype; max_batch: the largest batch at
     which speculation beat plain decoding (None: no limit; 0: not even batch 1; past it
-    `generate` with no `length=` decodes plainly); source: where it was measured."""
+    `generate` with no `length=` decodes plainly); proposer: the proposer wrapped around the
+    drafter in the measured-best configuration ("" none); source: where it was measured."""
 
     k: int = 5
     dtype: str = "float32"
     source: str = ""
     max_batch: int | None = None
+    proposer: str = ""  # "" none; else a proposer spec ("ngram", "ngram:n_min=3") around it
 
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or not 1 <= self.k <= 64:
@@ -53,6 +58,12 @@ class Record:
             raise JspecError(f"defaults record: max_batch must be null (no limit) or an integer "
                              f">= 0 (0: plain decoding is faster at every batch), got "
                              f"{self.max_batch!r}")
+        if not isinstance(self.proposer, str) or "+" in self.proposer:
+            raise JspecError(f"defaults record: proposer must be one proposer spec such as "
+                             f"'ngram' (or ''), got {self.proposer!r}")
+
+
+FIELDS = frozenset(f.name for f in dataclasses.fields(Record))
 
 
 def user_path() -> Path:
@@ -90,9 +101,9 @@ def read(path: Path) -> dict[str, dict[str, Any]]:
 
 
 def _record(raw: Any, path: Path, key: str) -> Record:
-    if not isinstance(raw, dict) or set(raw) - {"k", "dtype", "source", "max_batch"}:
+    if not isinstance(raw, dict) or set(raw) - FIELDS:
         raise JspecError(f"{path}: record {key!r} must be an object with k, dtype, source "
-                         f"(and max_batch)")
+                         f"(and max_batch, proposer)")
     return Record(**raw)
 
 
@@ -107,13 +118,24 @@ def lookup(spec: str, machine: str | None = None) -> Record | None:
     return None
 
 
+def resolve(spec: str, machine: str | None = None) -> str:
+    """The drafter spec of `spec`'s measured-best configuration: `spec + "+" + proposer` when
+    its record names a proposer and `spec` names none, else `spec` unchanged.
+    ("smollm2-135m-eagle3" -> "smollm2-135m-eagle3+ngram" on a `cpu` machine.)"""
+    if "+" in spec:
+        return spec
+    record = lookup(spec, machine)
+    return f"{spec}+{record.proposer}" if record is not None and record.proposer else spec
+
+
 def save(spec: str, record: Record, path: Path | None = None,
          machine: str | None = None) -> Path:
     """Write `record` for `spec` on a machine class (default: this machine's) into the user's
     defaults file (other records kept)."""
     path = user_path() if path is None else path
     data = read(path)
-    data.setdefault(machine or machine_class(), {})[base_name(spec)] = dataclasses.asdict(record)
+    raw = {k: v for k, v in dataclasses.asdict(record).items() if k != "proposer" or v}
+    data.setdefault(machine or machine_class(), {})[base_name(spec)] = raw
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")

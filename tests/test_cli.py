@@ -101,13 +101,13 @@ def test_real_json_output_and_drafter(real_model, tmp_path, capsys, monkeypatch)
     command = plain["provenance"]["command"]  # (in this process it would be pytest's)
     assert "jspec generate" in command and "--json" in command
 
-    def run(*extra, cls="cpu", user=None):
+    def run(*extra, cls="cpu", user=None, drafter="ngram"):
         monkeypatch.setenv("JSPEC_MACHINE_CLASS", cls)
         if user is not None:
             monkeypatch.setenv("JSPEC_DEFAULTS", str(user))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            assert main([*argv, "--drafter", "ngram", *extra]) == 0
+            assert main([*argv, "--drafter", drafter, *extra]) == 0
         out, err = capsys.readouterr()
         return json.loads(out.strip().splitlines()[-1]), err, caught
 
@@ -132,6 +132,16 @@ def test_real_json_output_and_drafter(real_model, tmp_path, capsys, monkeypatch)
     # Said once, as the note: the library's PlainDecodingWarning is not raised as well.
     assert not [w for w in caught if issubclass(w.category, jspec.PlainDecodingWarning)]
     assert rec["mean_accepted"] == 1.0
+    # The newcomer's command on the real drafter: the shipped cpu record's configuration (with
+    # the proposer it names, said on stderr), greedy-identical; --drafter-alone without it.
+    name = "smollm2-135m-eagle3"
+    best = defaults.resolve(name, machine="cpu")
+    rec, err, _ = run(cls="cpu", user=tmp_path / "none.json", drafter=name)
+    assert check(rec)["token_ids"] == plain["token_ids"] and rec["rounds"] < rec["new_tokens"]
+    assert (f"runs as {best}," in err) == (best != name)
+    assert rec["provenance"]["drafter"] == best
+    rec, err, _ = run("--drafter-alone", cls="cpu", drafter=name)
+    assert check(rec)["token_ids"] == plain["token_ids"] and "runs as" not in err
 
 
 @pytest.mark.real

@@ -14,8 +14,10 @@ from conftest import tiny_model
 
 import jspec
 from jspec import defaults, provenance
-from jspec.drafters.loading import SHIPPED
+from jspec.drafters.loading import SHIPPED, WRAPPERS
+from jspec.drafters.ngram import LookupFirst
 from jspec.errors import JspecError
+from jspec.specs import split_spec
 
 
 @pytest.mark.parametrize("spec, key", [
@@ -41,6 +43,9 @@ def test_shipped_records_are_valid_and_name_shipped_drafters():
             assert defaults.base_name(name).split("+")[0] in (*SHIPPED, "ngram"), name
             rec = defaults.Record(**raw)
             assert rec.source, f"{cls}/{name}: a shipped record says where it was measured"
+            if rec.proposer:  # a proposer `load_drafter` knows, measured in the named run
+                assert split_spec(rec.proposer)[0] in WRAPPERS, (cls, name)
+                assert "--proposers" in rec.source, (cls, name)
     # The newcomer's first command (`generate --drafter smollm2-135m-eagle3`) has a record on
     # both CPU classes, and each dtype is the one measured faster on that class.
     for cls, dtype in (("cpu", "float32"), ("cpu-bf16", "bfloat16")):
@@ -97,6 +102,8 @@ def test_user_record_overrides_shipped_and_save_keeps_others(tmp_path, monkeypat
     ('{"cpu": {"ngram": {"k": 3, "dtype": "float16"}}}', "dtype must be"),
     ('{"cpu": {"ngram": {"k": 3, "dtype": "float32", "max_batch": -1}}}', "max_batch must be"),
     ('{"cpu": {"ngram": {"k": 3, "speed": 2}}}', "must be an object"),
+    ('{"cpu": {"ngram": {"k": 3, "proposer": "topk+ngram"}}}', "one proposer spec"),
+    ('{"cpu": {"ngram": {"k": 3, "proposer": 1}}}', "one proposer spec"),
     ('{"h200": {}}', "maps machine classes"),
     ('{"cpu": [1]}', "maps machine classes"),
     ('{"ngram": {"k": 3, "dtype": "float32"}}', "older jspec")])
@@ -197,3 +204,63 @@ def test_calibrate_refuses_bad_arguments_before_loading(argv, match, capsys):
 
     assert main(["calibrate", "--drafter", "ngram", *argv]) == 2
     assert match in capsys.readouterr().err
+
+
+def test_a_record_names_the_proposer_of_the_best_configuration(tmp_path, monkeypatch):
+    """A record's proposer: `resolve` wraps a bare spec in it (a spec naming its own proposer
+    is left alone), `load_drafter(best=True)` loads that configuration with the record's k, a
+    plain `load_drafter` the drafter alone; `save` writes it only when there is one."""
+    path = tmp_path / "d.json"
+    monkeypatch.setenv("JSPEC_DEFAULTS", str(path))
+    monkeypatch.setenv("JSPEC_MACHINE_CLASS", "tpu")  # no shipped records on this class
+    model = tiny_model()
+    assert defaults.resolve("early-exit:1") == "early-exit:1"
+    defaults.save("early-exit:1", defaults.Record(k=3, source="t"))
+    assert "proposer" not in json.loads(path.read_text())["tpu"]["early-exit"]
+    assert defaults.resolve("early-exit:1") == "early-exit:1"
+    assert not isinstance(jspec.load_drafter("early-exit:1", target=model, best=True),
+                          LookupFirst)
+    defaults.save("early-exit:1", defaults.Record(k=3, source="t", proposer="ngram:n_min=3"))
+    assert defaults.resolve("early-exit:1") == "early-exit:1+ngram:n_min=3"
+    assert defaults.resolve("early-exit:1+topk") == "early-exit:1+topk"
+    assert defaults.resolve("early-exit:1", machine="cpu") == "early-exit:1"  # per class
+    best = jspec.load_drafter("early-exit:1", target=model, best=True)
+    assert isinstance(best, LookupFirst) and best.n_min == 3 and best.caps.default_k == 3
+    alone = jspec.load_drafter("early-exit:1", target=model)
+    assert not isinstance(alone, LookupFirst) and alone.caps.default_k == 3
+    ids = jnp.asarray([[5, 6, 7, 5, 6, 7, 5, 6]], jnp.int32)
+    out = jspec.generate(model, ids, drafter=best, max_new_tokens=8)
+    assert out.stats.accepted_at.shape == (1, 3)  # the record's k, no length= given
+    np.testing.assert_array_equal(np.asarray(out.tokens),
+                                  np.asarray(jspec.generate(model, ids, max_new_tokens=8).tokens))
+
+
+def test_the_cli_applies_a_records_proposer_only_where_it_was_measured():
+    """Lossless verification of chains (fixed K, or no length given): the configuration a
+    record's proposer was measured in. Relaxed verifiers and LibraSpec get the drafter alone
+    (a looked-up chain has no hidden states or block extension for them)."""
+    from jspec.cli import default_proposer_applies
+    from jspec.length import parse_length
+
+    lossless = jspec.Lossless()
+    assert default_proposer_applies(lossless, None)
+    assert default_proposer_applies(lossless, jspec.FixedLength(3))
+    assert not default_proposer_applies(lossless, parse_length("libraspec"))
+    assert not default_proposer_applies(jspec.ASD(), None)
+    assert not default_proposer_applies(jspec.Diversed(weight=0.5), None)
+
+
+def test_calibrate_tries_the_recorded_proposer_against_the_drafter_alone(tmp_path, monkeypatch):
+    from jspec.calibrate_defaults import proposers_to_try
+
+    monkeypatch.setenv("JSPEC_DEFAULTS", str(tmp_path / "d.json"))
+    monkeypatch.setenv("JSPEC_MACHINE_CLASS", "tpu")
+    assert proposers_to_try(None, "early-exit:1") == [""]
+    defaults.save("early-exit:1", defaults.Record(k=3, source="t", proposer="ngram"))
+    assert proposers_to_try(None, "early-exit:1") == ["", "ngram"]
+    assert proposers_to_try("none,ngram:n_min=3,none", "x") == ["", "ngram:n_min=3"]
+    for bad in ("", "topk+ngram"):
+        with pytest.raises(JspecError, match="--proposers"):
+            proposers_to_try(bad, "x")
+    with pytest.raises(JspecError, match="names its proposer"):
+        proposers_to_try("ngram", "x+topk")

@@ -89,7 +89,8 @@ def _d2sd(path: Path, cfg: Any, params: Any, vocab: Any, target: Any, cut: float
     return d2sd.make(first, cfg, params, vocab, target.weights, name=name, **tree_opts)
 
 
-def load_drafter(name_or_path: str | os.PathLike, *, target: Any = None) -> Any:
+def load_drafter(name_or_path: str | os.PathLike, *, target: Any = None, best: bool = False
+                 ) -> Any:
     """A drafter for `target` (a loaded Model).
 
     Accepts: "ngram" or "ngram:n=3" / "ngram:n_max=4,n_min=2"; "early-exit:N" (the target's
@@ -108,9 +109,12 @@ def load_drafter(name_or_path: str | os.PathLike, *, target: Any = None) -> Any:
     A drafter with a `jspec.defaults` record (the shipped ones, or one the user calibrated)
     carries its measured-best chain length as `caps.default_k`: what `generate` verifies per
     round when given no `length=`, and `caps.max_batch`: past that batch such a `generate`
-    decodes plainly (speculation stops paying there).
+    decodes plainly (speculation stops paying there). `best=True` loads the record's whole
+    configuration: the proposer it names wrapped around the drafter (`jspec.defaults.resolve`:
+    on a `cpu` machine "smollm2-135m-eagle3" gives "smollm2-135m-eagle3+ngram"); without it a
+    name loads that drafter alone.
     """
-    name = str(name_or_path)
+    name = defaults.resolve(str(name_or_path)) if best else str(name_or_path)
     drafter = _load(name, target)
     record = defaults.lookup(name)
     return drafter if record is None else dataclasses.replace(drafter, default_k=record.k,
