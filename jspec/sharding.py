@@ -371,8 +371,11 @@ def to_host(tree: Any) -> Any:
 
 
 def head_dim_of(obj: Any) -> int | None:
-    """The head size of a drafter's config (`cfg` or `config`), if it has one."""
+    """The head size of a drafter's config (`cfg` or `config`; a proposer's inner drafter's),
+    if it has one."""
     cfg = getattr(obj, "cfg", None) or getattr(obj, "config", None)
+    if cfg is None and getattr(obj, "inner", None) is not None:
+        return head_dim_of(obj.inner)
     return getattr(cfg, "head_dim", None)
 
 

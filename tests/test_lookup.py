@@ -106,6 +106,8 @@ def test_load_spec_errors_and_no_recompile():
     assert isinstance(d, LookupFirst) and (d.n_min, d.n_max) == (3, 3)
     assert d.name == "early-exit:1+ngram" and not d.caps.tree
     assert not d.caps.may_abstain  # the inner drafter never abstains, nor does the wrapper
+    # Placed on a mesh like its inner drafter (heads kept whole).
+    assert jspec.sharding.head_dim_of(d) == model.config.head_dim
     assert jspec.load_drafter("early-exit:1+ngram", target=model).n_min == 2
     assert jspec.load_drafter("early-exit:1+ngram:n_min=4", target=model).n_max == 4
     with pytest.raises(JspecError, match="n_min <= n_max"):
