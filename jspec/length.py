@@ -60,24 +60,29 @@ class FixedLength:
     oracle_pass = False  # the oracle length is the accepted count: no second verify
 
     def draft_sizes(self, caps: Capabilities) -> tuple[int, int]:
-        """(tokens per `draft`, most drafted tokens a verify scores) for the drafter's state."""
-        return self.k, self.k
+        """(tokens per `draft`, the longest path a verify accepts) for the drafter's state."""
+        return self.k, caps.path_len(self.k)
 
     def verify_widths_for(self, caps: Capabilities) -> tuple[int, ...]:
-        """Static verify widths (nodes after `last`): a drafter that may abstain also gets
-        width 0, a one-token forward when no live row proposed anything."""
+        """Static verify widths (nodes after `last`): the proposal's nodes; a chain proposer
+        whose chains may run past k (`caps.lookahead(k) > k`) also gets width k, for rounds in
+        which no live row's chain does; a drafter that may abstain also gets width 0, a
+        one-token forward when no live row proposed anything."""
         n = caps.lookahead(self.k)
-        return (0, n) if caps.may_abstain else (n,)
+        widths = (n,) if caps.tree or n == self.k else (self.k, n)
+        return (0, *widths) if caps.may_abstain else widths
 
     def draft(self, drafter: Any, dstate: Any, ctx: DraftContext, sampling: Sampling,
               key: jax.Array, live: jax.Array
               ) -> tuple[Proposal, Any, jax.Array, jax.Array]:
         """(proposal of N nodes, drafter state, d i32[B] nodes each row verifies, the width
-        the batch needs i32[]): k tokens (or a tree of `caps.lookahead(k)` nodes), all verified."""
+        the batch needs i32[]: one past the last proposed node of any live row): k tokens (or
+        `caps.lookahead(k)` nodes), all verified."""
         prop, dstate = drafter.draft(dstate, ctx, self.k, sampling, key)
         n = prop.tokens.shape[1]
         d = jnp.full(live.shape, n, jnp.int32)
-        need = jnp.where(jnp.any(live & (prop.tokens[:, 0] >= 0)), n, 0)
+        upto = jnp.arange(1, n + 1, dtype=jnp.int32)[None]  # [1, N]
+        need = jnp.max(jnp.where(live[:, None] & (prop.tokens >= 0), upto, 0))
         return prop, dstate, d, need
 
 

@@ -54,7 +54,7 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
     live = ~state.done
     caps = drafter.caps
     fl = caps.feature_layers
-    k = policy.max_k  # the longest path a round accepts (chain length, tree depth)
+    k = policy.draft_sizes(caps)[1]  # the longest path a round accepts (chain, tree depth)
     ctx = DraftContext(seq=state.seq, cache_len=cache.lengths, last=state.last)
     with jax.named_scope("draft"):
         prop, dstate, d, need = policy.draft(drafter, state.drafter, ctx, sampling, k_draft, live)
@@ -204,16 +204,17 @@ def init_state(config: ModelConfig, weights: Weights, drafter: Drafter | None,
                length: LengthPolicy | None = None) -> SpecState:
     """Prefill the target (and the drafter) and sample the first new token.
 
-    `k` is the most drafted tokens a round verifies (LibraSpec: d_max); the drafter's own
-    proposal width is k, or one block under LibraSpec (`draft_sizes`)."""
+    `k` is the chain length (LibraSpec: d_max); the drafter's own proposal width is k, or one
+    block under LibraSpec, and the longest path a round accepts k, or a proposer's longer
+    chains (`draft_sizes`)."""
 
     caps = None if drafter is None else drafter.caps
     fl = () if caps is None else caps.feature_layers
+    k_draft, width = (k, k) if caps is None else length_policy(k, length).draft_sizes(caps)
     state, out = prefill(config, weights, prompt_ids, prompt_lengths, key, sampling=sampling,
                          max_new_tokens=max_new_tokens, capacity=capacity, eos_ids=eos_ids,
-                         draft_k=k, feature_layers=fl)
+                         draft_k=width, feature_layers=fl)
     if drafter is not None:
-        k_draft, width = length_policy(k, length).draft_sizes(caps)
         with jax.named_scope("draft_prefill"):
             feats = features(out.hidden, caps.feature_norm) if fl else None
             dstate = drafter.init_state(feats, prompt_ids, prompt_lengths, capacity, k=k_draft,

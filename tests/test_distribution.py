@@ -241,17 +241,19 @@ class StaleQLookup(LookupFirst):
         return dataclasses.replace(prop, q=inner.q), state
 
 
-@pytest.mark.parametrize("broken", [False, True], ids=["lookup", "broken-stale-q"])
-def test_lookup_first_at_t1(broken):
+@pytest.mark.parametrize("broken,look", [(False, 0), (False, 6), (True, 0)],
+                         ids=["lookup", "lookup-look6", "broken-stale-q"])
+def test_lookup_first_at_t1(broken, look):
     """The tiny EAGLE-3 + n-gram lookup (`INNER+ngram:n_min=1`) at T = 1, K = 3: with 1-gram
     matches most rounds look up (the flat target's text repeats single tokens often; PROMPT's
     5, 6, 7 are in the drafter's vocabulary, so round 1 looks up after them), verified with a
     one-hot q in the drafter's vocabulary; the other rounds draft with the real q. ROWS = 4096
     per side, α = 0.01 (Holm over t = 1..4), keys 1 / 2 / 3; τ > 1.2 (≈ 1.26). The broken
     variant (looked-up rows verified with the inner's q) is rejected by the same statistic
-    while its A/A control passes."""
+    while its A/A control passes. `look6`: looked-up chains of 6 tokens, drafted ones of 3 (two
+    verify widths, the q rows past the drafter's chain empty)."""
     model, inner = tiny_eagle3(include=(5, 6, 7))  # round 1 looks up "7 5 6"
-    drafter = (StaleQLookup if broken else LookupFirst)(inner=inner, n_min=1)
+    drafter = (StaleQLookup if broken else LookupFirst)(inner=inner, n_min=1, look=look)
     aa, test, fit, sp = check_lossless(model, _T1, drafter=drafter, length=jspec.FixedLength(K))
     if broken:
         assert aa.same and not (test.same and fit.same), (aa, test, fit)

@@ -17,7 +17,7 @@ from test_trained_drafters import PROMPTS, tiny_drafter
 
 import jspec
 from jspec.drafters.base import ChainDrafter, DraftContext
-from jspec.drafters.ngram import LookupFirst
+from jspec.drafters.ngram import LookupFirst, NGram
 from jspec.errors import JspecError
 
 
@@ -66,7 +66,7 @@ def test_rows_that_repeat_take_the_lookup_the_others_the_inner_chain():
     np.testing.assert_array_equal(prop.tokens, [[7, 5, 6], [90, 91, 92], [90, 91, 92]])
     assert prop.q is None
     prop, _ = LookupFirst(inner=Fixed(), n_min=1).draft(None, ctx, 3, greedy, jax.random.key(0))
-    np.testing.assert_array_equal(prop.tokens[2], [4, 3, -1])  # known tokens only
+    np.testing.assert_array_equal(prop.tokens[2], [4, 3, 4])  # "3 4 3" goes on periodically
     prop, _ = d.draft(None, ctx, 3, t1, jax.random.key(0))
     q = np.asarray(prop.q)
     np.testing.assert_array_equal(q[0], np.eye(97, dtype=np.float32)[[7, 5, 6]])
@@ -79,6 +79,49 @@ def test_rows_that_repeat_take_the_lookup_the_others_the_inner_chain():
     prop, _ = LookupFirst(inner=Fixed(vocab=vocab)).draft(None, ctx, 3, t1, jax.random.key(0))
     np.testing.assert_array_equal(prop.tokens[0], [90, 91, 92])
     np.testing.assert_allclose(np.asarray(prop.q)[0], 1.0 / 96)
+
+
+def test_longer_looked_up_chains():
+    """`look=5` at k = 3: a looked-up row proposes 5 tokens (as many as are known), the inner
+    chain 3 and then nothing (-1, q rows of zeros); the round verifies 5 only when a live row
+    looked one up (`need`), else 3, and a drafter that may abstain keeps width 0."""
+    ctx = _ctx([[5, 6, 7, 8, 9, 10, 5, 6], [9, 10, 11, 12]])
+    d = LookupFirst(inner=Fixed(), look=5)
+    assert d.caps.lookahead(3) == 5 and d.caps.path_len(3) == 5 and d.caps.lookahead(7) == 7
+    prop, _ = d.draft(None, ctx, 3, jspec.Sampling(), jax.random.key(0))
+    np.testing.assert_array_equal(prop.tokens, [[7, 8, 9, 10, 5], [90, 91, 92, -1, -1]])
+    prop, _ = d.draft(None, _ctx([[1, 5, 6, 5, 6]]), 3, jspec.Sampling(), jax.random.key(0))
+    np.testing.assert_array_equal(prop.tokens, [[5, 6, 5, 6, 5]])  # period 2, read on
+    prop, _ = d.draft(None, ctx, 3, jspec.Sampling(temperature=1.0), jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(prop.q)[1, 3:], 0.0)
+    policy = jspec.FixedLength(3)
+    assert policy.verify_widths_for(d.caps) == (3, 5)
+    assert policy.draft_sizes(d.caps) == (3, 5)
+    assert policy.verify_widths_for(LookupFirst(inner=Fixed()).caps) == (3,)
+    assert policy.verify_widths_for(LookupFirst(inner=NGram(), look=5).caps) == (0, 3, 5)
+    for live, need in [([True, True], 5), ([False, True], 3), ([False, False], 0)]:
+        *_, got = policy.draft(d, None, ctx, jspec.Sampling(), jax.random.key(0),
+                               jnp.asarray(live))
+        assert int(got) == need, (live, got)
+    with pytest.raises(JspecError, match="look must be"):
+        LookupFirst(inner=Fixed(), look=-1)
+    with pytest.raises(JspecError, match="chain drafter"):  # its chains are not k long
+        LookupFirst(inner=d)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_longer_looked_up_chains_greedy_identity(kind):
+    """Greedy decoding with `+ngram:look=6` at k = 2 is token-identical to autoregressive
+    decoding, and some round accepts more than the drafter's 2 tokens (the tiny target repeats
+    itself): the drafter's state takes paths longer than its own chains."""
+    model, inner = tiny_drafter(kind)
+    ids, lens = _pad(PROMPTS)
+    ar = jspec.generate(model, ids, lens, max_new_tokens=24)
+    out = jspec.generate(model, ids, lens, drafter=LookupFirst(inner=inner, look=6),
+                         max_new_tokens=24, length=jspec.FixedLength(2))
+    np.testing.assert_array_equal(out.tokens, ar.tokens)
+    at = np.asarray(out.stats.accepted_at)
+    assert at.shape[1] == 6 and at[:, 2:].sum() > 0, at
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
@@ -116,5 +159,6 @@ def test_load_spec_errors_and_no_recompile():
         jspec.load_drafter("early-exit:1+topk+ngram", target=model)
     with pytest.raises(JspecError, match="bad proposer option"):
         jspec.load_drafter("early-exit:1+ngram:k=3", target=model)
+    assert jspec.load_drafter("early-exit:1+ngram:look=5", target=model).caps.lookahead(2) == 5
     assert_second_call_compiles_nothing(model, PROMPTS, max_new_tokens=8, drafter=d,
                                         length=jspec.FixedLength(3))

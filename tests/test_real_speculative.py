@@ -38,8 +38,11 @@ def reference(real_model, prompts):
     return jspec.generate(real_model, ids, lengths, max_new_tokens=N_NEW)
 
 
-CASES = [(d, k, b) for d in ("ngram", "early-exit:8") for k in (1, 4, 8) for b in (1, 4)]
-FAST = {("ngram", 4, 4)}
+# The last case: the cpu-bf16 default, EAGLE-3 drafting 2 with looked-up chains of up to 4
+# (two verify widths; the drafter's state takes paths longer than its chains).
+LOOK = ("smollm2-135m-eagle3+ngram:look=4", 2, 4)
+CASES = [(d, k, b) for d in ("ngram", "early-exit:8") for k in (1, 4, 8) for b in (1, 4)] + [LOOK]
+FAST = {("ngram", 4, 4), LOOK}
 
 
 @pytest.mark.real

@@ -52,7 +52,9 @@ class Capabilities:
       sampling, key)` by blocks of this many tokens (LibraSpec drafts with it).
     hidden_size: > 0 when its proposals carry hidden states f32[B, N, hidden_size] (a verifier
       with `needs_hidden`, DIVERSED's context head, reads them).
-    nodes: for tree drafters, the nodes a proposal holds for chain length k (None: k).
+    nodes: the nodes a proposal holds for chain length k (None: k): a tree's node budget, or
+      a chain proposer's longer chains (`INNER+ngram:look=L`, max(k, L) nodes, of which the
+      inner drafter's rows fill the first k).
     expands: a chain drafter that can also step several continuations at once (EAGLE-2-style
       trees, `jspec.drafters.topk_tree.expand_tree`): it implements
       `draft_tree(state, ctx, *, depth, k, width, n) -> (tokens, parents, state)`, its state
@@ -79,6 +81,11 @@ class Capabilities:
     def lookahead(self, k: int) -> int:
         """Cache slots a round writes beyond `last` for chain length k (its proposal's nodes)."""
         return k if self.nodes is None else self.nodes(k)
+
+    def path_len(self, k: int) -> int:
+        """The most drafted tokens one round can accept for chain length k: a tree's depth k,
+        a chain's nodes."""
+        return k if self.tree else self.lookahead(k)
 
 
 @jax.tree_util.register_dataclass
@@ -179,7 +186,9 @@ class Proposer:
     what = "a proposer"  # for the error naming a non-chain inner drafter
 
     def __post_init__(self) -> None:
-        if not isinstance(self.inner, Drafter) or self.inner.caps.tree:
+        # A chain drafter of k tokens: not a tree, nor a proposer whose chains run longer.
+        if (not isinstance(self.inner, Drafter) or self.inner.caps.tree
+                or self.inner.caps.nodes is not None):
             raise JspecError(f"{self.what} needs a chain drafter (n-gram, early-exit, EAGLE-3, "
                              f"DFlash, a draft model), got {type(self.inner).__name__}")
 

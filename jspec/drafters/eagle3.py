@@ -160,7 +160,8 @@ class Eagle3(TrainedDrafter):
     def init_state(self, features: jax.Array, prompt_ids: jax.Array, prompt_lengths: jax.Array,
                    capacity: int, *, k: int, verify_width: int | None = None) -> Eagle3State:
         """Ingest prompt entries 0..len-2; entry len-1 waits for the first sampled token.
-        `k`: tokens per `propose` (a verify scores at most k: `verify_width` is k)."""
+        `k`: tokens per `propose`; `verify_width`: the most drafted tokens a round accepts
+        (k; more for a proposer whose chains run longer, `INNER+ngram:look=L`)."""
         b, p = prompt_ids.shape
         cfg = self.cfg
         features = in_config_order(cfg, features)
@@ -171,7 +172,8 @@ class Eagle3(TrainedDrafter):
         emb = jnp.take(self.embed, nxt, axis=0).astype(jnp.float32)
         _, ck, cv = step(cfg, self.params, emb, fuse(self.params, features), pos, ck, cv)
         last = jnp.take_along_axis(features, (prompt_lengths - 1)[:, None, None, None], axis=1)
-        pend = jnp.zeros((b, k + 1, *features.shape[2:]), jnp.float32).at[:, :1].set(last)
+        pend = jnp.zeros((b, (verify_width or k) + 1, *features.shape[2:]),
+                         jnp.float32).at[:, :1].set(last)
         z = jnp.zeros((b, k), jnp.float32)
         return Eagle3State(ck=ck, cv=cv, pending=Pending(pend, prompt_lengths - 1,
                                                          jnp.ones((b,), jnp.int32)),

@@ -45,8 +45,8 @@ TRAINED.register("file", lambda **kw: kw, {"cut": float, "branches": int, "branc
 WRAPPERS = Registry("proposer")
 WRAPPERS.register("topk", topk_tree.from_options, {"k": int, "nodes": int, "width": int},
                   usage="k=K,nodes=N,width=W")
-WRAPPERS.register("ngram", ngram.lookup_first, {"n_min": int, "n_max": int},
-                  usage="n_min=M,n_max=N")
+WRAPPERS.register("ngram", ngram.lookup_first, {"n_min": int, "n_max": int, "look": int},
+                  usage="n_min=M,n_max=N,look=L")
 
 
 def _trained(path: Path, target: Any, cut: float | None, name: str,
@@ -104,7 +104,9 @@ def load_drafter(name_or_path: str | os.PathLike, *, target: Any = None, best: b
     model with the target's tokenizer. `target` may be omitted for trained drafters (their target is
     loaded by name). Any chain drafter followed by "+topk[:k=K,nodes=N,width=W]" proposes its top-k token
     tree instead (`jspec.drafters.topk_tree`; defaults k=4, nodes=16; an EAGLE-3 inner drafter
-    grows it EAGLE-2 style, expanding `width` nodes per level, default k).
+    grows it EAGLE-2 style, expanding `width` nodes per level, default k); followed by
+    "+ngram[:n_min=M,n_max=N,look=L]" it gives way to the n-gram lookup where the text repeats
+    (`jspec.drafters.ngram.LookupFirst`; looked-up chains of up to L tokens, default k).
 
     A drafter with a `jspec.defaults` record (the shipped ones, or one the user calibrated)
     carries its measured-best chain length as `caps.default_k`: what `generate` verifies per

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -19,9 +20,10 @@ class NGram(ChainDrafter):
     """Propose the k tokens that followed the latest earlier match of the longest suffix n-gram.
 
     n_max..n_min: suffix lengths tried, longest first. Deterministic, so q is one-hot.
-    Slots with nothing to propose (no match, or a continuation that runs past the known
-    sequence) are -1: verification treats them as rejected, and a round in which no row has a
-    proposal costs a one-token forward instead of a k+1-token one.
+    A continuation that reaches the current end goes on periodically (the match's own
+    continuation: "x y x y" proposes "x y x ..."). A row with no match proposes nothing (-1):
+    verification treats it as rejected, and a round in which no row has a proposal costs a
+    one-token forward instead of a k+1-token one.
     """
 
     n_max: int = 3
@@ -59,10 +61,13 @@ class NGram(ChainDrafter):
             end = jnp.max(jnp.where(match, j, -1), axis=1)
             best_end = jnp.where(best_end >= 0, best_end, end)
         found = best_end >= 0
-        idx = best_end[:, None] + 1 + jnp.arange(k, dtype=jnp.int32)[None, :]
+        # What followed the match, read on into the present: where it reaches the current end
+        # it goes on as the match did (the text from the match on repeats with period P, the
+        # distance from the match to the end), so a recent match still gives k tokens.
+        period = jnp.maximum(seq_len - 1 - best_end, 1)[:, None]  # [B, 1]
+        idx = best_end[:, None] + 1 + jnp.arange(k, dtype=jnp.int32)[None, :] % period
         tokens = jnp.take_along_axis(seq, jnp.clip(idx, 0, c - 1), axis=1)
-        known = found[:, None] & (idx < seq_len[:, None])
-        return jnp.where(known, tokens, -1), found
+        return jnp.where(found[:, None], tokens, -1), found
 
     def propose(self, state: None, ctx: DraftContext, k: int, sampling: Sampling,
                 key: jax.Array) -> tuple[jax.Array, None, None]:
@@ -84,6 +89,12 @@ class LookupFirst(Proposer):
     inner drafter's q vocabulary: the continuation is cut at its first token outside it, and a
     row whose first looked-up token is outside keeps the inner drafter's chain.
 
+    `look` > k: a looked-up continuation runs to `look` tokens (the inner drafter's chain stays
+    k); the round verifies `look` tokens only when some live row looked one up, else k
+    (`FixedLength.verify_widths_for`). A repeated stretch of text is accepted far more often
+    than a drafted guess, and on a CPU whose verify cost is flat in K the longer check is
+    nearly free.
+
     A trained drafter and the lookup miss in different places: on held-out greedy answers,
     following the n-gram continuation wherever a 2-token suffix repeats raises greedy τ of the
     shipped EAGLE-3 by 14-17% at K = 2-3 (docs/BENCHMARKS.md, "... the n-gram lookup first").
@@ -91,39 +102,50 @@ class LookupFirst(Proposer):
 
     n_max: int = dataclasses.field(metadata=dict(static=True), default=3)
     n_min: int = dataclasses.field(metadata=dict(static=True), default=2)
+    look: int = dataclasses.field(metadata=dict(static=True), default=0)  # 0: the round's k
     what = "+ngram"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         NGram(n_max=self.n_max, n_min=self.n_min)  # the same checks
+        if not isinstance(self.look, int) or not 0 <= self.look <= 64:
+            raise JspecError(f"+ngram look must be an integer in [0, 64] (0: the chain length "
+                             f"k), got {self.look!r}")
 
     @property
     def caps(self) -> Capabilities:
         # No block extension (LibraSpec) nor DIVERSED hidden states: a looked-up chain has
         # neither. It abstains only where the inner drafter does: a looked-up chain replaces a
         # row's proposal only when its first token is known.
-        return self.inherited_caps(may_abstain=self.inner.caps.may_abstain)
+        return self.inherited_caps(may_abstain=self.inner.caps.may_abstain,
+                                   nodes=functools.partial(max, self.look) if self.look else None)
 
     def draft(self, state: Any, ctx: DraftContext, k: int, sampling: Sampling,
               key: jax.Array) -> tuple[Proposal, Any]:
         prop, state = self.inner.draft(state, ctx, k, sampling, key)
+        n = max(k, self.look)
         looked, found = NGram(n_max=self.n_max, n_min=self.n_min).lookup(
-            ctx.seq, ctx.cache_len + 1, k)  # [B, k], [B]
-        q = prop.q
+            ctx.seq, ctx.cache_len + 1, n)  # [B, n], [B]
+        q, own = prop.q, prop.tokens
+        if n > k:  # the inner drafter's chain proposes nothing past k
+            own = jnp.pad(own, ((0, 0), (0, n - k)), constant_values=-1)
+            q = None if q is None else jnp.pad(q, ((0, 0), (0, n - k), (0, 0)))
         if q is not None:  # one-hot over the inner's q vocabulary, the chain cut outside it
             ids = (jnp.arange(q.shape[-1], dtype=jnp.int32) if prop.q_vocab is None
                    else prop.q_vocab)
-            hot = looked[..., None] == ids  # [B, k, Vq]
+            hot = looked[..., None] == ids  # [B, n, Vq]
             inside = jnp.cumprod(jnp.any(hot, axis=-1), axis=1).astype(bool)
             looked = jnp.where(inside, looked, -1)
         use = found & (looked[:, 0] >= 0)  # [B] (a match's first token is always known)
         if q is not None:
             q = jnp.where(use[:, None, None], hot.astype(q.dtype), q)
-        tokens = jnp.where(use[:, None], looked, prop.tokens)
+        tokens = jnp.where(use[:, None], looked, own)
         return Proposal(tokens=tokens, q=q, q_vocab=prop.q_vocab), state
 
 
-def lookup_first(inner: Any, n_max: int | None = None, n_min: int = 2) -> LookupFirst:
-    """`load_drafter`'s `INNER+ngram:n_min=M,n_max=N` (n_max default: max(3, n_min))."""
+def lookup_first(inner: Any, n_max: int | None = None, n_min: int = 2,
+                 look: int = 0) -> LookupFirst:
+    """`load_drafter`'s `INNER+ngram:n_min=M,n_max=N,look=L` (n_max default: max(3, n_min);
+    look default 0: looked-up chains as long as the drafter's)."""
     return LookupFirst(inner=inner, n_max=max(3, n_min) if n_max is None else n_max, n_min=n_min,
-                       name=f"{getattr(inner, 'name', 'drafter')}+ngram")
+                       look=look, name=f"{getattr(inner, 'name', 'drafter')}+ngram")
