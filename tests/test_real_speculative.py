@@ -222,9 +222,10 @@ def test_real_asd_zero_settings_equal_greedy(real_model, prompts, reference, dra
 def test_real_bfloat16_greedy_speculative_differs_only_at_near_ties(real_model, prompts):
     """bfloat16 target: greedy verification commits the verify pass's argmax, which rounds
     differently from a one-token step, so outputs may part, but only where the two tokens' logits
-    are within bfloat16 noise. Sample: the 4 prompts x 48 tokens, n-gram K=4 and EAGLE-3 K=3
-    (deterministic); threshold: a relative logit gap ≤ 2% of the top logit (bfloat16 rounding
-    is 0.4%) at every first difference, under a teacher-forced bfloat16 forward."""
+    are within bfloat16 noise. Sample: the 4 prompts x 48 tokens, n-gram K=4, EAGLE-3 K=3 and
+    the cpu-bf16 default EAGLE-3 K=2 +ngram:look=4 (deterministic); threshold: a relative
+    logit gap ≤ 2% of the top logit (bfloat16 rounding is 0.4%) at every first difference,
+    under a teacher-forced bfloat16 forward."""
     import jax.numpy as jnp
 
     from jspec.models.cache import KVCache
@@ -233,7 +234,8 @@ def test_real_bfloat16_greedy_speculative_differs_only_at_near_ties(real_model, 
     bf = real_model.astype("bfloat16")
     ids, lengths = _batch(bf, prompts)
     ar = jspec.generate(bf, ids, lengths, max_new_tokens=N_NEW)
-    for name, k in (("ngram", 4), ("smollm2-135m-eagle3", 3)):
+    for name, k in (("ngram", 4), ("smollm2-135m-eagle3", 3),
+                    ("smollm2-135m-eagle3+ngram:look=4", 2)):
         sp = jspec.generate(bf, ids, lengths, max_new_tokens=N_NEW, length=jspec.FixedLength(k),
                             drafter=jspec.load_drafter(name, target=bf))
         for r in range(len(prompts)):
