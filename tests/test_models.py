@@ -531,3 +531,20 @@ def test_compact_path_moves_the_path_slots_exactly(dtype, batch):
                 moved[b, :, start[b] + d] = want[b, :, start[b] + path[b, d]]
         np.testing.assert_array_equal(np.asarray(from_storage(buf, jnp.float32)), moved)
 
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_embed_rows_equals_take(dtype):
+    """`embed_rows` (a 16-bit table gathered as its integer bits) returns exactly the rows of
+    `jnp.take`, in the table's dtype or the one asked for, for ids of any shape."""
+    from jspec.models.blocks import embed_rows
+
+    table = jnp.asarray(np.random.default_rng(0).standard_normal((50, 8)), dtype)
+    ids = jnp.asarray([[3, 0, 49], [7, 7, 1]], jnp.int32)
+    got = jax.jit(embed_rows)(table, ids)
+    assert got.dtype == table.dtype and got.shape == (2, 3, 8)
+    assert np.array_equal(np.asarray(got, np.float32), np.asarray(jnp.take(table, ids, axis=0),
+                                                                  np.float32))
+    f = jax.jit(embed_rows, static_argnums=2)(table, ids, jnp.float32)
+    assert f.dtype == jnp.float32
+    assert np.array_equal(np.asarray(f), np.asarray(table, np.float32)[np.asarray(ids)])

@@ -267,3 +267,31 @@ def test_q_temperature_sharpens_the_sampled_q(kind):
     g1, _, _ = drafter.propose(st.drafter, ctx, 3, Sampling(), jax.random.key(7))
     g2, _, _ = sharp.propose(st.drafter, ctx, 3, Sampling(), jax.random.key(7))
     np.testing.assert_array_equal(np.asarray(g1), np.asarray(g2))
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_bfloat16_decode_holds_no_copy_of_the_embedding_table(kind):
+    """A bfloat16 target's compiled speculative decode holds no float32 copy ([V, D]) and no
+    transposed copy ([D, V]) of the (tied) embedding table: XLA:CPU made both once per
+    `generate` call, hoisted out of the loop, before `blocks.embed_rows` (a 16-bit table
+    gathered as its integer bits) and the tied head's two-dimensional product
+    (docs/BENCHMARKS.md "Per-call copies of the embedding table"). Fails on the old gathers."""
+    from jspec import decode
+    from jspec.inputs import pad_to_bucket
+
+    model, _ = tiny_drafter(kind)
+    bf = model.astype("bfloat16")
+    cfg = tiny_cfg(kind, model)
+    mod = {"eagle3": eagle3, "dflash": dflash}[kind]
+    vocab = np.sort(np.random.default_rng(0).permutation(model.config.vocab_size)[:64])
+    drafter = mod.make(cfg, mod.init_params(cfg, jax.random.key(3)), vocab, bf.weights)
+    ids, lengths = _pad(PROMPTS)
+    ids = pad_to_bucket(ids)
+    st = decode._statics(bf, ids, drafter, jspec.Sampling(), 8, None, jspec.FixedLength(3), None)
+    ver = st.pop("verifier")
+    hlo = decode._generate.lower(bf.weights, drafter, ver, ids, lengths, jax.random.key(0),
+                                 **st).compile().as_text()
+    v, d = bf.config.vocab_size, bf.config.hidden_size
+    assert f"bf16[{v},{d}]" in hlo  # control: the table itself is there
+    assert f"f32[{v},{d}]" not in hlo
+    assert f"bf16[{d},{v}]" not in hlo

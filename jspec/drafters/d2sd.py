@@ -52,7 +52,7 @@ from jspec.drafters.dflash import (
 )
 from jspec.drafters.trained import DFlashParams, DrafterConfig, draft_logits
 from jspec.errors import JspecError
-from jspec.models.blocks import rms_normalize
+from jspec.models.blocks import embed_rows, rms_normalize
 from jspec.sampling import NEG, Sampling, argmax
 
 META_FIRST = "jspec_d2sd_first"  # safetensors metadata: the first drafter (name or path)
@@ -70,7 +70,7 @@ def block_inputs_prefix(p: DFlashParams, embed: jax.Array, block_tokens: jax.Arr
     With prefix_len = 0 this is `dflash.block_inputs`.
     """
     b, m, gamma = block_tokens.shape
-    e = rms_normalize(jnp.take(embed, block_tokens, axis=0)) + last_c[:, :, None]  # [B,M,γ,D]
+    e = rms_normalize(embed_rows(embed, block_tokens)) + last_c[:, :, None]  # [B,M,γ,D]
     a = e[:, :, :1]
     slot = p.slot_emb[:gamma]  # [γ, D]
     known = e + slot

@@ -118,7 +118,7 @@ def block_inputs(p: DFlashParams, embed: jax.Array, anchors: jax.Array, gamma: i
     attention would otherwise have to learn to pick out by its relative position.
     """
     b, m = anchors.shape
-    a = rms_normalize(jnp.take(embed, anchors, axis=0))[:, :, None] + last_c[:, :, None]
+    a = rms_normalize(blocks.embed_rows(embed, anchors))[:, :, None] + last_c[:, :, None]
     slots = p.mask_emb + p.slot_emb[1:gamma]  # [γ-1, D]
     msk = a + slots[None, None]
     return jnp.concatenate([a, msk], axis=2).reshape(b, m * gamma, -1)
@@ -131,7 +131,7 @@ def token_block_inputs(embed: jax.Array, anchors: jax.Array, gamma: int, mask_id
     b, m = anchors.shape
     toks = jnp.concatenate([anchors[:, :, None],
                             jnp.full((b, m, gamma - 1), mask_id, anchors.dtype)], axis=2)
-    return jnp.take(embed, toks.reshape(b, m * gamma), axis=0).astype(jnp.float32)
+    return blocks.embed_rows(embed, toks.reshape(b, m * gamma), jnp.float32)
 
 
 def make_block_inputs(cfg: DrafterConfig, p: DFlashParams, embed: jax.Array, anchors: jax.Array,

@@ -109,7 +109,7 @@ def train_forward(cfg: DrafterConfig, p: Eagle3Params, embed: jax.Array, tokens:
     outs, own_k, own_v = [], [], []
     k1 = v1 = None
     for j in range(1, steps + 1):
-        emb = jnp.take(embed, nxt[:, j - 1: j - 1 + s], axis=0).astype(jnp.float32)
+        emb = blocks.embed_rows(embed, nxt[:, j - 1: j - 1 + s], jnp.float32)
         q, k, v = blocks.qkv(cfg.heads, p.layer, _layer_in(cfg, p, emb, g),
                              rot(cfg, pos + (j - 1)))
         if j == 1:
@@ -169,7 +169,7 @@ class Eagle3(TrainedDrafter):
         cv = jnp.zeros_like(ck)
         pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         nxt = jnp.concatenate([prompt_ids[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
-        emb = jnp.take(self.embed, nxt, axis=0).astype(jnp.float32)
+        emb = blocks.embed_rows(self.embed, nxt, jnp.float32)
         _, ck, cv = step(cfg, self.params, emb, fuse(self.params, features), pos, ck, cv)
         last = jnp.take_along_axis(features, (prompt_lengths - 1)[:, None, None, None], axis=1)
         pend = jnp.zeros((b, (verify_width or k) + 1, *features.shape[2:]),
@@ -192,7 +192,7 @@ class Eagle3(TrainedDrafter):
         m = pend.feats.shape[1]
         pos = pend.start[:, None] + jnp.arange(m, dtype=jnp.int32)[None]  # [B, M]
         nxt = jnp.take_along_axis(ctx.seq, jnp.minimum(pos + 1, ctx.seq.shape[1] - 1), axis=1)
-        emb = jnp.take(self.embed, nxt, axis=0).astype(jnp.float32)
+        emb = blocks.embed_rows(self.embed, nxt, jnp.float32)
         h, ck, cv = step(cfg, p, emb, fuse(p, pend.feats), pos, state.ck, state.cv)
         return jnp.take_along_axis(h, (pend.count - 1)[:, None, None], axis=1), ck, cv
 
@@ -213,7 +213,7 @@ class Eagle3(TrainedDrafter):
             vh.append(jax.nn.sigmoid(verify_head(p, h))[:, 0])
             hs.append(h[:, 0])
             if j + 1 < k:
-                emb = jnp.take(self.embed, t, axis=0).astype(jnp.float32)
+                emb = blocks.embed_rows(self.embed, t, jnp.float32)
                 h, ck, cv = step(cfg, p, emb, h, (p0 + j + 1)[:, None], ck, cv)
         tokens = jnp.stack(toks, axis=1)
         vhat = jnp.stack(vh, axis=1)
@@ -251,7 +251,7 @@ class Eagle3(TrainedDrafter):
                    ) -> tuple[jax.Array, Any]:
             ck, cv, hp = carry
             g = jnp.take_along_axis(hp, parent[..., None], axis=1)  # [B, W, D] parents' states
-            emb = jnp.take(self.embed, tok, axis=0).astype(jnp.float32)
+            emb = blocks.embed_rows(self.embed, tok, jnp.float32)
             pos = jnp.broadcast_to((p0 + level)[:, None], tok.shape)
             mask = jnp.concatenate([jnp.broadcast_to(context[:, None], (b, width, base)), anc],
                                    axis=-1)  # [B, W, cap]

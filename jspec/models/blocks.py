@@ -64,6 +64,24 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- projections
+def embed_rows(table: jax.Array, ids: jax.Array, dtype=None) -> jax.Array:
+    """dtype[*ids.shape, D]: rows `ids` (i32, any shape) of an embedding table [V, D], in
+    `dtype` (default the table's).
+
+    A 16-bit table is gathered as its integer bits: XLA:CPU otherwise converts the whole table
+    to float32 before gathering (float normalisation of a bfloat16 gather), and inside the
+    decode loop that conversion is hoisted out as a float32 copy of the table made on every
+    `generate` call (113 MB for SmolLM2's 49,152 x 576; docs/BENCHMARKS.md "Per-call copies
+    of the embedding table"). The bitcasts are free on every backend.
+    """
+    if table.dtype.itemsize == 2 and jnp.issubdtype(table.dtype, jnp.floating):
+        bits = jnp.take(jax.lax.bitcast_convert_type(table, jnp.uint16), ids, axis=0)
+        rows = jax.lax.bitcast_convert_type(bits, table.dtype)
+    else:
+        rows = jnp.take(table, ids, axis=0)
+    return rows if dtype is None else rows.astype(dtype)
+
+
 def matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """f32[..., F]: einsum(spec, x [..., D], w) with float32 accumulation; spec is
     "...d,df->...f" (w is (in, out)) or "...d,vd->...v" (w is (out, in): a tied LM head).
@@ -90,6 +108,12 @@ def matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
         x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
         out = jnp.einsum(spec.replace("...", "m"), x2, w, preferred_element_type=jnp.float32)
         return out[:1].reshape(*lead, out.shape[-1])
+    if spec == _NT and jax.default_backend() == "cpu":
+        # A tied LM head over [B, T] rows as one [B*T, D] x [V, D]^T product: as a 3-D einsum
+        # XLA:CPU lays w out transposed, a [D, V] copy made once per `generate` call.
+        out = jnp.einsum("md,vd->mv", x.reshape(rows, x.shape[-1]), w,
+                         preferred_element_type=jnp.float32)
+        return out.reshape(*lead, out.shape[-1])
     return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
 
 

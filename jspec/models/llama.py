@@ -18,6 +18,7 @@ from jspec.models.blocks import (
     Attend,
     Heads,
     LayerWeights,
+    embed_rows,
     layer,
     matmul,
     rms_norm,
@@ -149,7 +150,7 @@ def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions:
     t = tokens.shape[1]
     n_layers = config.num_layers if num_layers is None else num_layers
     rot = rope_angles(positions, jnp.asarray(config.inv_freq()))
-    x = jnp.take(weights.embed, tokens, axis=0).astype(config.jnp_dtype)  # [B, T, D]
+    x = embed_rows(weights.embed, tokens, config.jnp_dtype)  # [B, T, D]
     if slots is not None and not t <= slots <= cache.capacity:
         raise ValueError(f"slots={slots} must lie in [{t} new tokens, {cache.capacity} capacity]")
     use_pallas = config.resolved_attention_impl() == "pallas" and t <= PALLAS_MAX_NEW_TOKENS
