@@ -7,7 +7,8 @@ One warm-up `jspec.generate` per prompt, then each prompt once more under `jax.p
 every XLA:CPU thunk is attributed to the jax operation it came from (the optimized HLO's
 `op_name`, layer numbers folded) and summed per round (autoregressive: per token). Prints the
 wall time per round next to the thunk time, per scope (prefill / draft / verify / accept /
-commit) and the top operations. Run it on an idle machine.
+commit) and the top operations; `SHOW_OTHER=1` also lists the thunks XLA inserted (no op_name),
+`TEMPERATURE=1` samples. Run it on an idle machine.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ SCOPES = ("prefill", "draft", "verify", "accept", "commit")
 def main(spec: str, k: int, dtype: str, prompts: str) -> None:
     model = jspec.load_model("smollm2-135m", dtype=dtype)
     kw: dict = {"max_new_tokens": 96}
+    if os.environ.get("TEMPERATURE"):
+        kw["sampling"] = jspec.Sampling(temperature=float(os.environ["TEMPERATURE"]))
     if spec != "none":
         kw["drafter"] = jspec.load_drafter(spec, target=model)
         kw["length"] = jspec.FixedLength(k)
