@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--lengths", default="",
                    help="semicolon-separated dynamic length policies run (lossless) for every "
                         "block drafter in --drafters, e.g. 'libraspec;libraspec:n=4,alpha=0.8' "
-                        "(table columns: mean d = drafted tokens verified per round, |d-oracle| "
+                        "(table columns: mean d = proposed tokens verified per round, |d-oracle| "
                         "= mean distance from the longest prefix that would have been accepted)")
     b.add_argument("--temperatures", default="0,1", help="comma-separated temperatures")
     b.add_argument("--verifiers", default="lossless",

@@ -95,7 +95,7 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
             n = jnp.zeros_like(nxt)
             path = None if prop.is_chain else jnp.zeros((b, k + 1), jnp.int32)
             return (n, nxt, out.cache, verifier.plain_step(vstate), feats_of(out, None), n,
-                    path)
+                    path, n)
 
         def run(cache, vstate):
             dw, vw = draft[:, :w], valid[:, :w]
@@ -132,21 +132,25 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
                         oracle, _, _ = verifier.verify(vstate, k_verify, dw, qw, out.logits,
                                                        sampling, vw, **kw)
                     path = None
+                    scored = jnp.sum(prop.valid[:, :w] & (jnp.arange(w)[None, :] < d[:, None]),
+                                     axis=1, dtype=jnp.int32)
                 else:
                     ok = jnp.concatenate([jnp.ones((b, 1), bool), vw], axis=1)
                     n, path, nxt, vstate = verifier.verify_tree(
                         vstate, k_verify, toks, par, dep, ok, out.logits, sampling, k)
                     oracle = n
-            return n, nxt, out.cache, vstate, feats_of(out, path), oracle, path
+                    scored = jnp.sum(prop.valid[:, :w], axis=1, dtype=jnp.int32)
+            return n, nxt, out.cache, vstate, feats_of(out, path), oracle, path, scored
         return plain if w == 0 else run
 
     widths = policy.verify_widths_for(caps)
     branches = [verify_width(w) for w in widths]
     if len(branches) == 1:
-        n, nxt, new_cache, vstate, feats, oracle, path = branches[0](cache, state.verifier)
+        n, nxt, new_cache, vstate, feats, oracle, path, scored = branches[0](cache,
+                                                                             state.verifier)
     else:  # the smallest static width the batch needs
         w_idx = jnp.sum(jnp.asarray(widths, jnp.int32) < need)
-        n, nxt, new_cache, vstate, feats, oracle, path = jax.lax.switch(
+        n, nxt, new_cache, vstate, feats, oracle, path, scored = jax.lax.switch(
             w_idx, branches, cache, state.verifier)
     with jax.named_scope("commit"):
         if prop.is_chain:
@@ -158,8 +162,10 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
             dstate = drafter.observe(dstate, feats, cache.lengths, n + 1)
         emitted = jnp.concatenate([path_tok, jnp.zeros_like(nxt)[:, None]], axis=1)
         emitted = emitted.at[rows, n].set(nxt)
-        # Trees: `drafted` counts the nodes verified; no oracle length.
-        state = commit(state, emitted, n + 1, eos_ids, new_cache, n, d,
+        # `drafted` counts the nodes each row proposed and the length policy put up for
+        # verification (a chain: its first d; a tree: all), not the empty (-1) nodes of a
+        # wider verify. Trees: no oracle length.
+        state = commit(state, emitted, n + 1, eos_ids, new_cache, n, scored,
                        oracle=oracle if prop.is_chain else None)
     return dataclasses.replace(state, key=key, drafter=dstate, verifier=vstate)
 

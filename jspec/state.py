@@ -57,7 +57,7 @@ class Stats:
     rounds: jax.Array  # i32[B] target verify passes after prefill
     emitted: jax.Array  # i32[B] tokens committed by those rounds (accepted + bonus/correction)
     accepted: jax.Array  # i32[B] drafted tokens accepted
-    drafted: jax.Array  # i32[B] drafted tokens verified
+    drafted: jax.Array  # i32[B] proposed tokens put up for verification (not empty nodes)
     accepted_at: jax.Array  # i32[B, K] rounds in which draft position k was accepted
     # Σ over rounds of the oracle length (the longest drafted prefix the verifier would have
     # accepted, observed within the verified width, so a lower bound when it reaches that
@@ -158,7 +158,7 @@ def commit(state: SpecState, emitted: jax.Array, n_emit: jax.Array, eos_ids: tup
       cache: the target cache after the verify forward; its K/V for `last` and the first
         n_emit - 1 emitted tokens are valid, so committing is only a length update.
       n_accepted: i32[B] accepted drafted tokens (for statistics).
-      n_drafted: drafted tokens verified (int, or i32[B] under LibraSpec).
+      n_drafted: i32[B] (or an int) proposed tokens put up for verification this round.
       oracle: i32[B] or None: LibraSpec's oracle length this round (statistics).
     """
     b, m = emitted.shape

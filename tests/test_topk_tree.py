@@ -90,7 +90,10 @@ def test_greedy_identity(inner, k, nodes, length):
                         length=jspec.FixedLength(length))
     np.testing.assert_array_equal(np.asarray(sp.tokens), np.asarray(ar.tokens))
     s = jax.device_get(sp.stats)
-    np.testing.assert_array_equal(s.drafted, min(nodes, k * length) * s.rounds)
+    full = min(nodes, k * length) * s.rounds  # `drafted` counts proposed nodes
+    assert (s.drafted <= full).all() and (s.accepted <= s.drafted).all()
+    if inner == "eagle3":  # proposes every node of the tree in every round
+        np.testing.assert_array_equal(s.drafted, full)
     if inner == "early-exit:1":
         chain = jspec.generate(model, ids, lens, max_new_tokens=24, drafter=d,
                                length=jspec.FixedLength(length))
