@@ -64,7 +64,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- projections
-def embed_rows(table: jax.Array, ids: jax.Array, dtype=None) -> jax.Array:
+def embed_rows(table: jax.Array, ids: jax.Array,
+               dtype: jax.typing.DTypeLike | None = None) -> jax.Array:
     """dtype[*ids.shape, D]: rows `ids` (i32, any shape) of an embedding table [V, D], in
     `dtype` (default the table's).
 
