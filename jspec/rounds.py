@@ -89,13 +89,13 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
             # every node rejected, at a fraction of the cost).
             with jax.named_scope("verify"):
                 out = forward(config, weights, state.last[:, None], cache.lengths[:, None],
-                              cache, hidden_layers=fl)
+                              cache, hidden_layers=fl, write_cache=False)
             with jax.named_scope("accept"):
                 nxt = sample(k_verify, out.logits[:, 0], sampling)
             n = jnp.zeros_like(nxt)
             path = None if prop.is_chain else jnp.zeros((b, k + 1), jnp.int32)
-            return (n, nxt, out.cache, verifier.plain_step(vstate), feats_of(out, None), n,
-                    path, n)
+            return (n, nxt, padded(out.new_kv), verifier.plain_step(vstate),
+                    feats_of(out, None), n, path, n)
 
         def run(cache, vstate):
             dw, vw = draft[:, :w], valid[:, :w]
@@ -110,7 +110,8 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
                 pos = cache.lengths[:, None] + dep
                 mask = Tree(par)
             with jax.named_scope("verify"):
-                out = forward(config, weights, toks, pos, cache, mask=mask, hidden_layers=fl)
+                out = forward(config, weights, toks, pos, cache, mask=mask, hidden_layers=fl,
+                              write_cache=False)
             with jax.named_scope("accept"):
                 if prop.is_chain:
                     qw = None if prop.q is None else prop.q[:, :w]
@@ -140,19 +141,30 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
                         vstate, k_verify, toks, par, dep, ok, out.logits, sampling, k)
                     oracle = n
                     scored = jnp.sum(prop.valid[:, :w], axis=1, dtype=jnp.int32)
-            return n, nxt, out.cache, vstate, feats_of(out, path), oracle, path, scored
+            return (n, nxt, padded(out.new_kv), vstate, feats_of(out, path), oracle, path,
+                    scored)
         return plain if w == 0 else run
 
     widths = policy.verify_widths_for(caps)
+    t_max = max(widths) + 1
+
+    def padded(kv):  # the new K/V [L, B, w+1, KV, hd] of every width as t_max slots
+        return tuple(jnp.pad(a, ((0, 0), (0, 0), (0, t_max - a.shape[2]), (0, 0), (0, 0)))
+                     for a in kv)
+
+    # Each width's forward leaves the cache unwritten and returns its new K/V; they are
+    # written once, after the switch (a switch that returned the cache had XLA copy every
+    # cache buffer into the loop carry each round).
     branches = [verify_width(w) for w in widths]
     if len(branches) == 1:
-        n, nxt, new_cache, vstate, feats, oracle, path, scored = branches[0](cache,
-                                                                             state.verifier)
+        n, nxt, new_kv, vstate, feats, oracle, path, scored = branches[0](cache,
+                                                                          state.verifier)
     else:  # the smallest static width the batch needs
         w_idx = jnp.sum(jnp.asarray(widths, jnp.int32) < need)
-        n, nxt, new_cache, vstate, feats, oracle, path, scored = jax.lax.switch(
+        n, nxt, new_kv, vstate, feats, oracle, path, scored = jax.lax.switch(
             w_idx, branches, cache, state.verifier)
     with jax.named_scope("commit"):
+        new_cache = cache.write(*new_kv)
         if prop.is_chain:
             path_tok = draft
         else:

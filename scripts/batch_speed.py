@@ -1,9 +1,9 @@
 """Plain vs speculative `jspec.generate` at one batch size: ms per step / round, tokens/s, τ.
 
-    python scripts/batch_speed.py BATCH [DRAFTER]
+    python scripts/batch_speed.py BATCH [DRAFTER] [NEW] [PASSES]
 
 DRAFTER: "ngram" (default) or a trained drafter's name; K = 3, bfloat16 target, greedy, the
-first BATCH HumanEval prompts as one batch, 96 new tokens. Two alternating passes of
+first BATCH HumanEval prompts as one batch, NEW new tokens (96). PASSES (2) alternating passes of
 (plain, speculative), each the median of 3 timed calls after a warm-up; compare the rows of
 one pass (docs/BENCHMARKS.md "Where batch speculation stops paying").
 """
@@ -24,7 +24,9 @@ from jspec.prompts import load_prompt_set
 def main() -> None:
     batch = int(sys.argv[1])
     name = sys.argv[2] if len(sys.argv) > 2 else "ngram"
-    k, new = 3, 96
+    k = 3
+    new = int(sys.argv[3]) if len(sys.argv) > 3 else 96
+    passes = int(sys.argv[4]) if len(sys.argv) > 4 else 2
     model = jspec.load_model("smollm2-135m", dtype="bfloat16")
     rows = [model.encode(r["text"]) for r in load_prompt_set(f"humaneval:0-{batch}")]
     ids = np.zeros((batch, max(map(len, rows))), np.int32)
@@ -39,7 +41,7 @@ def main() -> None:
         return out
 
     for label, kw in [("plain", {}), ("spec", dict(drafter=drafter,
-                                                    length=jspec.FixedLength(k)))] * 2:
+                                                    length=jspec.FixedLength(k)))] * passes:
         run(**kw)
         times = []
         for _ in range(3):

@@ -186,3 +186,39 @@ def test_real_model_batch_equals_single(real_model):
         single = jspec.generate(real_model, np.asarray([e], np.int32), max_new_tokens=12)
         np.testing.assert_array_equal(out.tokens[i], single.tokens[0])
     assert "4" in real_model.decode(out.tokens[0])
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_the_decode_loop_copies_no_cache_buffer(batch):
+    """The compiled decode loop of a round with several verify widths (`lax.switch`: n-gram
+    may abstain, widths 0 and 3) holds no copy of a whole K/V buffer: each width's forward
+    leaves the cache unwritten and the round writes the new K/V once, after the switch.
+    When the switch returned the cache, XLA:CPU copied every buffer into the loop carry each
+    round (docs/BENCHMARKS.md "The verify switch returns K/V, not the cache"). Fails on the
+    old round. Control: the entry computation holds the buffers themselves."""
+    import re
+
+    from jspec import decode
+    from jspec.drafters.ngram import NGram
+    from jspec.inputs import pad_to_bucket
+
+    m = tiny_model().astype("bfloat16")
+    ids = pad_to_bucket(np.tile(np.asarray([[5, 6, 7, 5, 6, 7, 5, 6]], np.int32), (batch, 1)))
+    lengths = np.full((batch,), 8, np.int32)
+    st = decode._statics(m, ids, NGram(n_max=3), jspec.Sampling(), 16, None,
+                         jspec.FixedLength(3), None)
+    ver = st.pop("verifier")
+    hlo = decode._generate.lower(m.weights, NGram(n_max=3), ver, ids, lengths,
+                                 jax.random.key(0), **st).compile().as_text()
+    c = m.config
+    buf = rf"u16\[{batch},{c.num_kv_heads},(\d+),{c.head_dim}\]"
+    assert " conditional(" in hlo  # the round has the switch
+    assert re.search(buf, hlo)  # control: the cache buffers are there
+    comp, copies = "", []
+    for line in hlo.splitlines():
+        if line and not line.startswith(" "):  # a computation's header
+            comp = line.split(" ")[0]
+        if re.search(buf + r"\S* copy\(", line) and comp != "ENTRY" and not comp.startswith(
+                "%fused"):  # a whole-buffer copy at run time of the loop, not a small window
+            copies.append(f"{comp}: {line.strip()[:120]}")
+    assert not copies, copies

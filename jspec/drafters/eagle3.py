@@ -86,8 +86,9 @@ def step(cfg: DrafterConfig, p: Eagle3Params, emb: jax.Array, g: jax.Array,
         mask = c[None, None, :] <= positions[:, :, None]
     at = blocks.Attend(use_pallas=False, mask=mask,
                        lengths=positions[:, 0] if slots is None else slots)
-    return blocks.layer(cfg.heads, p.layer, g, rot(cfg, positions), at, ck, cv,
-                        y=_layer_in(cfg, p, emb, g), residual=_residual(cfg, p, g))
+    h, ck, cv, _ = blocks.layer(cfg.heads, p.layer, g, rot(cfg, positions), at, ck, cv,
+                                y=_layer_in(cfg, p, emb, g), residual=_residual(cfg, p, g))
+    return h, ck, cv
 
 
 def train_forward(cfg: DrafterConfig, p: Eagle3Params, embed: jax.Array, tokens: jax.Array,

@@ -190,12 +190,15 @@ def qkv(hs: Heads, lw: LayerWeights, y: jax.Array, rot: tuple[jax.Array, jax.Arr
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-              own: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+              own: tuple[jax.Array, jax.Array] | None = None,
+              new: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
     """q's dtype[B, T, H, hd]: masked GQA attention of q [B, T, H, hd] over head-major keys
     and values k, v [B, KV, S, hd]; mask: bool[B, T, S].
 
     `own` (EAGLE-3's training-time test): per-query keys and values [B, T, E, KV, hd] that
     query t attends to besides k, v (always visible), in the same softmax.
+    `new` (a forward that leaves the cache unwritten): the new tokens' own keys and values
+    [B, T, KV, hd] and which of them each query sees, bool[B | 1, T, T], in the same softmax.
 
     The T·G queries of each KV head form one [T·G, hd] matrix, so both products are batched
     GEMMs over (row, KV head) that read the buffers as they lie.
@@ -213,11 +216,20 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
         ok, ov = (jnp.repeat(jnp.moveaxis(a, (1, 2), (2, 3)), g, axis=2) for a in own)
         so = jnp.einsum("bkqd,bkqed->bkqe", qg, ok, preferred_element_type=jnp.float32)
         scores = jnp.concatenate([scores, so * (1.0 / np.sqrt(hd))], axis=-1)
+    if new is not None:
+        nk, nv = (jnp.swapaxes(a, 1, 2) for a in new[:2])  # [B, KV, T, hd]
+        sn = jnp.einsum("bkqd,bktd->bkqt", qg, nk.astype(qg.dtype),
+                        preferred_element_type=jnp.float32) * (1.0 / np.sqrt(hd))
+        sn = jnp.where(jnp.repeat(new[2], g, axis=1)[:, None], sn, MASK_VALUE)
+        scores = jnp.concatenate([scores, sn], axis=-1)
     probs = jax.nn.softmax(scores, axis=-1)
     attn = jnp.einsum("bkqs,bksd->bkqd", probs[..., :s].astype(v.dtype), v,
                       preferred_element_type=jnp.float32)
     if own is not None:
         attn = attn + jnp.einsum("bkqe,bkqed->bkqd", probs[..., s:].astype(ov.dtype), ov,
+                                 preferred_element_type=jnp.float32)
+    if new is not None:
+        attn = attn + jnp.einsum("bkqt,bktd->bkqd", probs[..., s:].astype(nv.dtype), nv,
                                  preferred_element_type=jnp.float32)
     return jnp.moveaxis(attn.astype(q.dtype).reshape(b, kv, t, g, hd), 2, 1).reshape(b, t, h, hd)
 
@@ -238,12 +250,21 @@ class Attend:
     lengths: jax.Array  # i32[B] committed prefix per row
     parents: jax.Array | None = None  # i32[T] | i32[B, T] | None (chain) (Pallas path)
     slots: int | None = None  # static: XLA attention reads only slots [0, slots); None: all
+    # Leave the cache unwritten (the caller writes the returned new K/V later): the XLA path
+    # then reads the committed slots through `mask` and the new tokens apart, through
+    # `new_mask` bool[B | 1, T, T]; the Pallas path reads them apart either way.
+    new_mask: jax.Array | None = None
+
+    @property
+    def writes(self) -> bool:
+        return self.new_mask is None
 
 
 def attend(at: Attend, q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array,
            cv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Write the new k, v [B, T, KV, hd] at slots lengths + t of the cache buffers ck, cv
-    dtype[B, KV, S, hd] and attend to it: (attn q's dtype[B, T, H, hd], ck, cv)."""
+    dtype[B, KV, S, hd] and attend to it: (attn q's dtype[B, T, H, hd], ck, cv). With
+    `at.new_mask` set, ck and cv come back unwritten."""
     b, t = q.shape[:2]
     if at.use_pallas:
         # Cascade form: the committed prefix is read from the cache, the T new tokens from
@@ -258,13 +279,20 @@ def attend(at: Attend, q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array,
         attn = shard_kernel(tree_attention,
                             (qa, cache_a, cache_a, ("batch",), kva, kva, ("batch", None)), qa)(
             q, rk, rv, at.lengths, k.astype(rk.dtype), v.astype(rv.dtype), parents)
+        if not at.writes:
+            return attn, ck, cv
         return attn, write_slots(ck, k, at.lengths), write_slots(cv, v, at.lengths)
+    n = ck.shape[2] if at.slots is None else at.slots
+    if not at.writes:
+        return attention(q, from_storage(ck[:, :, :n], q.dtype),
+                         from_storage(cv[:, :, :n], q.dtype), at.mask,
+                         new=(k, v, at.new_mask)), ck, cv
     # The new K/V are written first and attention reads the written buffer: reading the
-    # unwritten one instead (prefix + new tokens apart) measured 1.3-1.4x slower at batch
-    # 16-64 on XLA:CPU (a copy of every cache buffer per step).
+    # unwritten one and writing it after, in the same layer, measured 1.3-1.4x slower at batch
+    # 16-64 on XLA:CPU (a copy of every cache buffer per step). Unwritten (above) is for a
+    # forward whose caller writes after the whole forward (a verify switch's branch).
     ck = write_slots(ck, k, at.lengths)  # [B, KV, S, hd]
     cv = write_slots(cv, v, at.lengths)
-    n = ck.shape[2] if at.slots is None else at.slots
     return attention(q, from_storage(ck[:, :, :n], q.dtype), from_storage(cv[:, :, :n], q.dtype),
                      at.mask), ck, cv
 
@@ -280,11 +308,13 @@ def mlp(lw: LayerWeights, x: jax.Array, eps: float) -> jax.Array:
 
 def layer(hs: Heads, lw: LayerWeights, x: jax.Array, rot: tuple[jax.Array, jax.Array],
           at: Attend, ck: jax.Array, cv: jax.Array, *, y: jax.Array | None = None,
-          residual: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One pre-norm decoder layer over a cache: (x', ck, cv).
+          residual: jax.Array | None = None
+          ) -> tuple[jax.Array, jax.Array, jax.Array, tuple[jax.Array, jax.Array]]:
+    """One pre-norm decoder layer over a cache: (x', ck, cv, (k, v)).
 
     x: [B, T, D]; q/k/v read `y` (default RMSNorm(x) by `lw.attn_norm`); the attention output
-    is added to `residual` (default x), then the MLP block.
+    is added to `residual` (default x), then the MLP block. (k, v) [B, T, KV, hd] are the new
+    tokens' keys and values (what `attend` wrote, or leaves to the caller: `Attend.new_mask`).
     """
     b, t, _ = x.shape
     if y is None:
@@ -293,4 +323,4 @@ def layer(hs: Heads, lw: LayerWeights, x: jax.Array, rot: tuple[jax.Array, jax.A
     attn, ck, cv = attend(at, q, k, v, ck, cv)
     x = (x if residual is None else residual) + dense(
         attn.reshape(b, t, hs.num_heads * hs.head_dim), lw.wo).astype(x.dtype)
-    return mlp(lw, x, hs.eps), ck, cv
+    return mlp(lw, x, hs.eps), ck, cv, (k, v)

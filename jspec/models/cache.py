@@ -111,6 +111,13 @@ class KVCache:
     def with_lengths(self, lengths: jax.Array) -> KVCache:
         return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
 
+    def write(self, new_k: jax.Array, new_v: jax.Array) -> KVCache:
+        """The cache with new_k / new_v dtype[L, B, T, KV, hd] (a `forward(...,
+        write_cache=False)`'s `new_kv`) written at slots lengths + t of the first L layers."""
+        ks = tuple(write_slots(c, n, self.lengths) for c, n in zip(self.k, new_k, strict=False))
+        vs = tuple(write_slots(c, n, self.lengths) for c, n in zip(self.v, new_v, strict=False))
+        return dataclasses.replace(self, k=ks + self.k[len(ks):], v=vs + self.v[len(vs):])
+
     def compact_path(self, start: jax.Array, path: jax.Array) -> KVCache:
         """Move the K/V of a tree's path nodes (written at slots start + node) to contiguous
         slots start + depth, in every layer (what commits an accepted tree path).

@@ -115,15 +115,19 @@ def lm_logits(config: ModelConfig, weights: Weights, h: jax.Array) -> jax.Array:
 @dataclasses.dataclass
 class ForwardOutput:
     logits: jax.Array | None  # f32[B, T, V] (None when logits=False)
-    cache: KVCache  # new K/V written at slots lengths+t; lengths unchanged
+    cache: KVCache  # new K/V written at slots lengths+t (unless write_cache=False); lengths
+    # unchanged
     hidden: jax.Array | None  # dtype[n, B, T, D]: hidden states of the requested layers
     final_hidden: jax.Array  # dtype[B, T, D]: after the final norm
+    # write_cache=False: the new tokens' keys and values, dtype[L, B, T, KV, hd] each, for
+    # `KVCache.write` (None when the forward wrote them)
+    new_kv: tuple[jax.Array, jax.Array] | None = None
 
 
 def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions: jax.Array,
             cache: KVCache, mask: Chain | Tree = Chain(), hidden_layers: tuple[int, ...] = (),
             compute_logits: bool = True, num_layers: int | None = None,
-            slots: int | None = None) -> ForwardOutput:
+            slots: int | None = None, write_cache: bool = True) -> ForwardOutput:
     """Run the decoder over T new tokens per row.
 
     Args:
@@ -139,6 +143,10 @@ def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions:
       num_layers: static; run only the first N layers (early-exit drafting), default all.
       slots: static; the caller promises every row's lengths + T <= slots, and attention reads
         only the first `slots` cache slots (prefill into an empty cache: T). Default: all.
+      write_cache: static; False leaves the cache unwritten and returns the new K/V in
+        `new_kv` (attention reads them apart from the committed slots): a caller that picks
+        one of several forwards with `lax.switch` writes once after it, so the switch does not
+        return (and XLA does not copy) every cache buffer.
 
     `config.attention_impl` picks the attention: "xla" (dense mask over the whole cache) or
     "pallas" (`pallas_kernels.tree_attention`, cascade prefix + tree; interpret mode on CPU) for
@@ -159,13 +167,23 @@ def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions:
         # "auto" on a GPU: the Mosaic GPU kernel where it applies, XLA elsewhere (an explicit
         # "pallas" outside the kernel's limits raises its clear error instead).
         use_pallas = gpu_kernel_supports(t, config.head_dim, cache.capacity, config.jnp_dtype)
+    if write_cache:
+        att_mask = None if use_pallas else attention_mask(cache.lengths, t,
+                                                          slots or cache.capacity, mask)
+        new_mask = None
+    else:  # committed slots through the cache, the new tokens apart
+        att_mask = None if use_pallas else jnp.broadcast_to(
+            jnp.arange(slots or cache.capacity, dtype=jnp.int32)[None, None, :]
+            < cache.lengths[:, None, None], (cache.batch, t, slots or cache.capacity))
+        new_mask = (tree_ancestors(mask.parents) if isinstance(mask, Tree)
+                    else jnp.tril(jnp.ones((t, t), bool)))
+        new_mask = new_mask if new_mask.ndim == 3 else new_mask[None]
     at = Attend(
         use_pallas=use_pallas,
-        mask=None if use_pallas else attention_mask(cache.lengths, t, slots or cache.capacity,
-                                                     mask),
+        mask=att_mask,
         lengths=cache.lengths,
         parents=jnp.asarray(mask.parents, jnp.int32) if isinstance(mask, Tree) else None,
-        slots=slots)
+        slots=slots, new_mask=new_mask)
     want = tuple(sorted(set(hidden_layers)))
     for i in want:
         if not 0 <= i <= n_layers:
@@ -177,17 +195,20 @@ def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions:
     hs = heads(config)
     states = [x]
     new_k, new_v = list(cache.k), list(cache.v)
+    kvs = []
     for i, lw in enumerate(weights.layers[:n_layers]):
         with jax.named_scope(f"layer_{i}"):
-            x, new_k[i], new_v[i] = layer(hs, lw, x, rot, at, new_k[i], new_v[i])
+            x, new_k[i], new_v[i], kv = layer(hs, lw, x, rot, at, new_k[i], new_v[i])
+        kvs.append(kv)
         if want:
             states.append(x)
     hidden = jnp.stack([states[i] for i in want]) if want else None
     h = rms_norm(x, weights.final_norm, config.rms_eps)
     logits = lm_logits(config, weights, h) if compute_logits else None
+    new_kv = None if write_cache else tuple(jnp.stack(a) for a in zip(*kvs, strict=True))
     return ForwardOutput(logits=logits,
                          cache=dataclasses.replace(cache, k=tuple(new_k), v=tuple(new_v)),
-                         hidden=hidden, final_hidden=h)
+                         hidden=hidden, final_hidden=h, new_kv=new_kv)
 
 
 def init_weights(config: ModelConfig, key: jax.Array, scale: float = 0.02) -> Weights:
