@@ -195,7 +195,7 @@ def test_the_decode_loop_copies_no_cache_buffer(batch):
     leaves the cache unwritten and the round writes the new K/V once, after the switch.
     When the switch returned the cache, XLA:CPU copied every buffer into the loop carry each
     round (docs/BENCHMARKS.md "The verify switch returns K/V, not the cache"). Fails on the
-    old round. Control: the entry computation holds the buffers themselves."""
+    old round, listing the copies. Control: the program holds the buffers and the switch."""
     import re
 
     from jspec import decode
