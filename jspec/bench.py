@@ -157,9 +157,11 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
     for spec in split_list(args.drafters):
         name, _, own = spec.partition("@")
         try:
-            drafter_ks[name] = [int(x) for x in own.split("/")] if own else ks
+            own_ks = [int(x) for x in own.split("/")] if own else ks
         except ValueError as e:
             raise JspecError(f"bad drafter lengths in {spec!r}: use name@K or name@K1/K2") from e
+        # A name given twice ("d@2,d@3") runs both lengths, as "d@2/3" does.
+        drafter_ks[name] = list(dict.fromkeys([*drafter_ks.get(name, []), *own_ks]))
     drafters = list(drafter_ks)
     temps = [float(t) for t in args.temperatures.split(",")]
     verifiers = [v for v in args.verifiers.split(";") if v]

@@ -109,6 +109,55 @@ def test_longer_looked_up_chains():
         LookupFirst(inner=d)
 
 
+def test_lookup_around_a_tree():
+    """`INNER+topk+ngram:look=4` at depth k = 2: a looked-up row proposes its 4-token chain as
+    the tree whose node t has parent t - 1, padded to the tree's node budget (the chain-only
+    top-k tree of `Fixed`'s chain: k 3, 6 nodes), the other rows keep their trees; one verify
+    width (a tree's), paths up to 4 tokens."""
+    from jspec.drafters.topk_tree import TopKTree
+
+    ctx = _ctx([[5, 6, 7, 8, 9, 10, 5, 6], [9, 10, 11, 12]])
+    tree = TopKTree(inner=Fixed(), k=3, nodes=6)
+    d = LookupFirst(inner=tree, look=4)
+    c = d.caps
+    assert c.tree and c.lookahead(2) == 6 and c.path_len(2) == 4
+    assert c.lookahead(1) == 4 and c.path_len(5) == 5  # the chain's nodes where more
+    greedy = jspec.Sampling()
+    alone, _ = tree.draft(None, ctx, 2, greedy, jax.random.key(0))
+    prop, _ = d.draft(None, ctx, 2, greedy, jax.random.key(0))
+    np.testing.assert_array_equal(prop.tokens[0], [7, 8, 9, 10, -1, -1])
+    np.testing.assert_array_equal(prop.parents[0, :4], [-1, 0, 1, 2])
+    np.testing.assert_array_equal(prop.tokens[1], alone.tokens[1])
+    np.testing.assert_array_equal(prop.parents[1], alone.parents[1])
+    policy = jspec.FixedLength(2)
+    assert policy.verify_widths_for(c) == (6,) and policy.draft_sizes(c) == (2, 4)
+    # Without look the looked-up chain is the tree's depth, the node budget unchanged.
+    c0 = LookupFirst(inner=tree).caps
+    assert c0.tree and c0.lookahead(2) == 6 and c0.path_len(2) == 2
+    prop, _ = LookupFirst(inner=tree).draft(None, ctx, 2, greedy, jax.random.key(0))
+    np.testing.assert_array_equal(prop.tokens[0], [7, 8, -1, -1, -1, -1])
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_lookup_around_a_tree_greedy_identity(kind):
+    """Greedy decoding with `INNER+topk:k=2,nodes=4+ngram:look=6` at depth 2 is
+    token-identical to autoregressive decoding (EAGLE-3 expands the tree EAGLE-2 style, DFlash
+    gives the chain-only tree), and some round accepts more than the tree's depth: the
+    drafter's state takes the looked-up paths."""
+    from jspec.drafters.topk_tree import TopKTree
+
+    model, inner = tiny_drafter(kind)
+    ids, lens = _pad(PROMPTS)
+    ar = jspec.generate(model, ids, lens, max_new_tokens=24)
+    d = LookupFirst(inner=TopKTree(inner=inner, k=2, nodes=4, width=2 if kind == "eagle3"
+                                   else 0), look=6)
+    out = jspec.generate(model, ids, lens, drafter=d, max_new_tokens=24,
+                         length=jspec.FixedLength(2))
+    np.testing.assert_array_equal(out.tokens, ar.tokens)
+    at = np.asarray(out.stats.accepted_at)
+    assert at.shape[1] == 6 and at[:, 2:].sum() > 0, at
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
 def test_longer_looked_up_chains_greedy_identity(kind):
     """Greedy decoding with `+ngram:look=6` at k = 2 is token-identical to autoregressive
@@ -155,8 +204,11 @@ def test_load_spec_errors_and_no_recompile():
     assert jspec.load_drafter("early-exit:1+ngram:n_min=4", target=model).n_max == 4
     with pytest.raises(JspecError, match="n_min <= n_max"):
         jspec.load_drafter("early-exit:1+ngram:n_min=0", target=model)
-    with pytest.raises(JspecError, match="chain drafter"):
-        jspec.load_drafter("early-exit:1+topk+ngram", target=model)
+    with pytest.raises(JspecError, match="chain drafter"):  # its chains are not k long
+        jspec.load_drafter("early-exit:1+ngram:look=4+ngram", target=model)
+    with pytest.raises(JspecError, match="chain drafter"):  # a tree takes chains only
+        jspec.load_drafter("early-exit:1+topk+topk", target=model)
+    assert jspec.load_drafter("early-exit:1+topk+ngram", target=model).caps.tree
     with pytest.raises(JspecError, match="bad proposer option"):
         jspec.load_drafter("early-exit:1+ngram:k=3", target=model)
     assert jspec.load_drafter("early-exit:1+ngram:look=5", target=model).caps.lookahead(2) == 5

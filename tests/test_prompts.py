@@ -42,17 +42,19 @@ class _ByteTokenizer:
 
 def test_bench_splits_rows_by_prompt_set(monkeypatch, capsys):
     """Two sets in one bench run: a second table and `by_set` in every row whose set parts add
-    up to the whole (tau: emitted over rounds of each set's prompts)."""
+    up to the whole (tau: emitted over rounds of each set's prompts). A drafter named twice
+    with two lengths runs both."""
     model = dataclasses.replace(tiny_model(), tokenizer=_ByteTokenizer())
     monkeypatch.setattr(bench.jspec, "load_model", lambda *a, **k: model)
     monkeypatch.setattr(bench, "cost_curve", lambda *a, **k: {"c": {1: 1.0, 8: 1.5}})
     args = cli.build_parser().parse_args([
-        "bench", "--prompts", "humaneval:0-2,gsm8k:0-1", "--drafters", "ngram@2",
+        "bench", "--prompts", "humaneval:0-2,gsm8k:0-1", "--drafters", "ngram@2,ngram@1",
         "--new-tokens", "6", "--repeats", "1", "--temperatures", "0", "--no-peer", "--quiet"])
     res = bench.speculative(args)
     out = capsys.readouterr().out
     assert "By prompt set" in out and "humaneval:0-2: tau" in out and "gsm8k:0-1: tau" in out
-    ar, spec = res["rows"]
+    ar, spec, spec1 = res["rows"]
+    assert (spec1["drafter"], spec1["k"]) == ("ngram", 1)
     assert set(ar["by_set"]) == {"humaneval:0-2", "gsm8k:0-1"}
     assert all(b["tau"] == 1.0 and b["speedup_over_best_ar"] == pytest.approx(1.0)
                for b in ar["by_set"].values())

@@ -55,6 +55,9 @@ class Capabilities:
     nodes: the nodes a proposal holds for chain length k (None: k): a tree's node budget, or
       a chain proposer's longer chains (`INNER+ngram:look=L`, max(k, L) nodes, of which the
       inner drafter's rows fill the first k).
+    path: the most drafted tokens one round can accept for chain length k (None: a tree's
+      depth k, a chain's nodes); a tree whose rows may instead propose a longer looked-up
+      chain (`TREE+ngram:look=L`) accepts up to max(k, L).
     expands: a chain drafter that can also step several continuations at once (EAGLE-2-style
       trees, `jspec.drafters.topk_tree.expand_tree`): it implements
       `draft_tree(state, ctx, *, depth, k, width, n) -> (tokens, parents, state)`, its state
@@ -74,6 +77,7 @@ class Capabilities:
     block_tokens: int = 0
     hidden_size: int = 0
     nodes: Callable[[int], int] | None = None
+    path: Callable[[int], int] | None = None
     expands: bool = False
     default_k: int = 5
     max_batch: int | None = None
@@ -84,7 +88,9 @@ class Capabilities:
 
     def path_len(self, k: int) -> int:
         """The most drafted tokens one round can accept for chain length k: a tree's depth k,
-        a chain's nodes."""
+        a chain's nodes, unless `path` says otherwise."""
+        if self.path is not None:
+            return self.path(k)
         return k if self.tree else self.lookahead(k)
 
 
@@ -184,13 +190,17 @@ class Proposer:
     max_batch: int | None = dataclasses.field(metadata=dict(static=True),
                                               default=-1)  # -1: inner's
     what = "a proposer"  # for the error naming a non-chain inner drafter
+    takes_trees = False  # whether `inner` may also be a tree drafter (`+topk`)
 
     def __post_init__(self) -> None:
-        # A chain drafter of k tokens: not a tree, nor a proposer whose chains run longer.
-        if (not isinstance(self.inner, Drafter) or self.inner.caps.tree
-                or self.inner.caps.nodes is not None):
+        # A chain drafter of k tokens: not a proposer whose chains run longer, nor a tree
+        # unless this proposer takes trees.
+        c = self.inner.caps if isinstance(self.inner, Drafter) else None
+        if c is None or (c.tree and not self.takes_trees) or (c.nodes is not None
+                                                              and not c.tree):
+            trees = ", or a +topk tree" if self.takes_trees else ""
             raise JspecError(f"{self.what} needs a chain drafter (n-gram, early-exit, EAGLE-3, "
-                             f"DFlash, a draft model), got {type(self.inner).__name__}")
+                             f"DFlash, a draft model){trees}, got {type(self.inner).__name__}")
 
     def inherited_caps(self, **kw: Any) -> Capabilities:
         """The inner drafter's feature layers and defaults (this proposer's where set) + kw."""

@@ -78,8 +78,8 @@ class NGram(ChainDrafter):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LookupFirst(Proposer):
-    """A chain drafter whose proposal gives way to the n-gram lookup's where the text repeats
-    (`INNER+ngram[:n_min=M,n_max=N]`).
+    """A chain drafter (or a `+topk` tree) whose proposal gives way to the n-gram lookup's
+    where the text repeats (`INNER+ngram[:n_min=M,n_max=N,look=L]`).
 
     Every round the inner drafter drafts as usual (its state follows the committed text either
     way); in each row whose committed text ends in an n-gram of at least `n_min` tokens seen
@@ -95,6 +95,11 @@ class LookupFirst(Proposer):
     than a drafted guess, and on a CPU whose verify cost is flat in K the longer check is
     nearly free.
 
+    Around a tree (`INNER+topk:...+ngram`) a looked-up row proposes its chain as the tree
+    whose node t has parent t - 1 (up to max(depth, L) tokens; the proposal holds the larger
+    of that and the tree's node budget), the other rows their trees; the round verifies and
+    walks both the same way, at every temperature.
+
     A trained drafter and the lookup miss in different places: on held-out greedy answers,
     following the n-gram continuation wherever a 2-token suffix repeats raises greedy τ of the
     shipped EAGLE-3 by 14-17% at K = 2-3 (docs/BENCHMARKS.md, "... the n-gram lookup first").
@@ -104,6 +109,7 @@ class LookupFirst(Proposer):
     n_min: int = dataclasses.field(metadata=dict(static=True), default=2)
     look: int = dataclasses.field(metadata=dict(static=True), default=0)  # 0: the round's k
     what = "+ngram"
+    takes_trees = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -116,21 +122,28 @@ class LookupFirst(Proposer):
     def caps(self) -> Capabilities:
         # No block extension (LibraSpec) nor DIVERSED hidden states: a looked-up chain has
         # neither. It abstains only where the inner drafter does: a looked-up chain replaces a
-        # row's proposal only when its first token is known.
-        return self.inherited_caps(may_abstain=self.inner.caps.may_abstain,
-                                   nodes=functools.partial(max, self.look) if self.look else None)
+        # row's proposal only when its first token is known. Around a tree (`+topk`) it stays
+        # a tree: a looked-up chain is the tree whose node t has parent t - 1.
+        c = self.inner.caps
+        if not c.tree and not self.look:
+            return self.inherited_caps(may_abstain=c.may_abstain)
+        return self.inherited_caps(may_abstain=c.may_abstain, tree=c.tree,
+                                   nodes=functools.partial(_lookahead, c, self.look),
+                                   path=functools.partial(_path_len, c, self.look))
 
     def draft(self, state: Any, ctx: DraftContext, k: int, sampling: Sampling,
               key: jax.Array) -> tuple[Proposal, Any]:
         prop, state = self.inner.draft(state, ctx, k, sampling, key)
-        n = max(k, self.look)
+        c = self.inner.caps
+        n, m = _lookahead(c, self.look, k), _path_len(c, self.look, k)  # nodes, chain length
         looked, found = NGram(n_max=self.n_max, n_min=self.n_min).lookup(
-            ctx.seq, ctx.cache_len + 1, n)  # [B, n], [B]
-        q, own = prop.q, prop.tokens
-        if n > k:  # the inner drafter's chain proposes nothing past k
-            own = jnp.pad(own, ((0, 0), (0, n - k)), constant_values=-1)
-            q = None if q is None else jnp.pad(q, ((0, 0), (0, n - k), (0, 0)))
+            ctx.seq, ctx.cache_len + 1, m)  # [B, m], [B]
+        q, own, par = prop.q, prop.tokens, prop.parents
+        pad = n - own.shape[1]  # the inner's rows propose nothing past its own nodes
+        own = jnp.pad(own, ((0, 0), (0, pad)), constant_values=-1)
+        looked = jnp.pad(looked, ((0, 0), (0, n - m)), constant_values=-1)
         if q is not None:  # one-hot over the inner's q vocabulary, the chain cut outside it
+            q = jnp.pad(q, ((0, 0), (0, pad), (0, 0)))
             ids = (jnp.arange(q.shape[-1], dtype=jnp.int32) if prop.q_vocab is None
                    else prop.q_vocab)
             hot = looked[..., None] == ids  # [B, n, Vq]
@@ -140,7 +153,23 @@ class LookupFirst(Proposer):
         if q is not None:
             q = jnp.where(use[:, None, None], hot.astype(q.dtype), q)
         tokens = jnp.where(use[:, None], looked, own)
-        return Proposal(tokens=tokens, q=q, q_vocab=prop.q_vocab), state
+        if par is not None:  # a tree: the looked-up rows' chain, node t's parent t - 1
+            par = jnp.pad(par, ((0, 0), (0, pad)), constant_values=-1)
+            chain = jnp.arange(-1, n - 1, dtype=jnp.int32)[None]
+            par = jnp.where(use[:, None], chain, par)
+        return Proposal(tokens=tokens, q=q, q_vocab=prop.q_vocab, parents=par), state
+
+
+def _lookahead(inner: Capabilities, look: int, k: int) -> int:
+    """Nodes of a `+ngram:look=L` proposal for chain length k: the inner drafter's (k for a
+    chain, a tree's budget) or the looked-up chain's, whichever is more."""
+    return max(inner.lookahead(k), _path_len(inner, look, k))
+
+
+def _path_len(inner: Capabilities, look: int, k: int) -> int:
+    """The longest looked-up chain (and accepted path) for chain length k: L, or the inner's
+    path (k) when L is 0 or shorter."""
+    return max(inner.path_len(k), look)
 
 
 def lookup_first(inner: Any, n_max: int | None = None, n_min: int = 2,

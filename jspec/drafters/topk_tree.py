@@ -94,10 +94,11 @@ class TopKTree(Proposer):
                    prompt_lengths: jax.Array, capacity: int, *, k: int,
                    verify_width: int | None = None) -> Any:
         # An expanding drafter keeps the tree's entries in (k - 1) * width slots past the
-        # capacity (`expand_tree`).
+        # capacity (`expand_tree`). Paths are k tokens, or longer where a proposer around the
+        # tree says so (`+ngram:look=L`).
         return self.inner.init_state(features, prompt_ids, prompt_lengths,
                                      capacity + (k - 1) * self.expand_width, k=k,
-                                     verify_width=k)
+                                     verify_width=max(k, verify_width or k))
 
     def draft(self, state: Any, ctx: DraftContext, k: int, sampling: Sampling,
               key: jax.Array) -> tuple[Proposal, Any]:
