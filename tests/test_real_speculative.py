@@ -41,7 +41,10 @@ def reference(real_model, prompts):
 # The last case: the cpu-bf16 default, EAGLE-3 drafting 2 with looked-up chains of up to 4
 # (two verify widths; the drafter's state takes paths longer than its chains).
 LOOK = ("smollm2-135m-eagle3+ngram:look=4", 2, 4)
-CASES = [(d, k, b) for d in ("ngram", "early-exit:8") for k in (1, 4, 8) for b in (1, 4)] + [LOOK]
+# EAGLE-2-style trees (depth 3, 6 nodes) whose looked-up rows propose a 4-token chain instead.
+TREE_LOOK = ("smollm2-135m-eagle3+topk:k=3,nodes=6,width=2+ngram:look=4", 3, 2)
+CASES = [(d, k, b) for d in ("ngram", "early-exit:8") for k in (1, 4, 8) for b in (1, 4)] + [
+    LOOK, TREE_LOOK]
 FAST = {("ngram", 4, 4), LOOK}
 
 

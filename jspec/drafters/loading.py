@@ -106,7 +106,8 @@ def load_drafter(name_or_path: str | os.PathLike, *, target: Any = None, best: b
     tree instead (`jspec.drafters.topk_tree`; defaults k=4, nodes=16; an EAGLE-3 inner drafter
     grows it EAGLE-2 style, expanding `width` nodes per level, default k); followed by
     "+ngram[:n_min=M,n_max=N,look=L]" it gives way to the n-gram lookup where the text repeats
-    (`jspec.drafters.ngram.LookupFirst`; looked-up chains of up to L tokens, default k).
+    (`jspec.drafters.ngram.LookupFirst`; looked-up chains of up to L tokens, default k), also
+    after "+topk" (the looked-up chain then replaces a row's tree).
 
     A drafter with a `jspec.defaults` record (the shipped ones, or one the user calibrated)
     carries its measured-best chain length as `caps.default_k`: what `generate` verifies per
