@@ -27,7 +27,7 @@ import numpy as np
 
 from jspec.drafters.base import Capabilities, ChainDrafter, DraftContext, Proposal
 from jspec.errors import JspecError
-from jspec.models.blocks import Heads, LayerWeights, dense, rms_norm, rope_angles
+from jspec.models.blocks import Heads, LayerWeights, dense, matmul, rms_norm, rope_angles
 from jspec.models.config import ModelConfig
 from jspec.sampling import Sampling, argmax, categorical, process_logits
 from jspec.sharding import logical
@@ -291,8 +291,11 @@ def init_layer(key: jax.Array, cfg: DrafterConfig, d_in: int, attn_norm: bool) -
 
 
 def draft_logits(cfg: DrafterConfig, p: Params, head: jax.Array, h: jax.Array) -> jax.Array:
-    """f32[..., Vd] draft-vocabulary logits from drafter hidden states [..., D]."""
-    return dense(rms_norm(h, p.final_norm, cfg.rms_eps), head.T)
+    """f32[..., Vd] draft-vocabulary logits from drafter hidden states [..., D]: a product
+    with the head as stored, [Vd, D], in its dtype (as `head.T` XLA:CPU converted a bfloat16
+    head to a float32 copy once per call and read that, twice the bytes, every draft step)."""
+    x = rms_norm(h, p.final_norm, cfg.rms_eps)
+    return matmul("...d,vd->...v", x.astype(head.dtype), head)
 
 
 def verify_head(p: Params, h: jax.Array) -> jax.Array:
