@@ -137,8 +137,12 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
                                      axis=1, dtype=jnp.int32)
                 else:
                     ok = jnp.concatenate([jnp.ones((b, 1), bool), vw], axis=1)
+                    kw = {}
+                    if prop.q is not None:  # children drawn from q: row t + 1 is node t's
+                        kw = dict(q=jnp.pad(prop.q[:, :w], ((0, 0), (1, 0), (0, 0))),
+                                  q_vocab=prop.q_vocab, max_children=prop.branching)
                     n, path, nxt, vstate = verifier.verify_tree(
-                        vstate, k_verify, toks, par, dep, ok, out.logits, sampling, k)
+                        vstate, k_verify, toks, par, dep, ok, out.logits, sampling, k, **kw)
                     oracle = n
                     scored = jnp.sum(prop.valid[:, :w], axis=1, dtype=jnp.int32)
             return (n, nxt, padded(out.new_kv), vstate, feats_of(out, path), oracle, path,

@@ -216,7 +216,8 @@ def test_tree_round_at_t1(kind):
 def test_topk_tree_at_t1(inner):
     """The top-k tree around a chain drafter at T = 1 (k = 3 children, 8 nodes, chain length
     K = 3) on `flat_model`: early-exit:1 and the tiny EAGLE-3 (a trained drafter's features
-    along a path that may leave the chain). ROWS = 4096 per side, α = 0.01 (Holm over
+    along a path that may leave the chain), the k most probable children walked (`draw=False`;
+    drawn trees: `test_drawn_topk_tree_at_t1`). ROWS = 4096 per side, α = 0.01 (Holm over
     t = 1..4), keys 1 / 2 / 3; τ > 1.1 for early-exit (≈ 1.15: the walk accepts a node with
     the target's probability of its token, below the chain's min(1, p/q) with the real q) and
     > 1.005 for the random EAGLE-3 (≈ 1.01: ~270 accepted drafts in 16,384 tokens)."""
@@ -224,9 +225,46 @@ def test_topk_tree_at_t1(inner):
 
     model, d = (flat_model(), jspec.load_drafter(inner, target=flat_model())) \
         if inner == "early-exit:1" else tiny_eagle3()
-    tree = TopKTree(inner=d, k=3, nodes=8)
+    tree = TopKTree(inner=d, k=3, nodes=8, draw=False)
     _assert_lossless(*check_lossless(model, _T1, drafter=tree, length=jspec.FixedLength(K)),
                      min_tau=1.1 if inner == "early-exit:1" else 1.005)
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class SharpQ(Lossless):
+    """Broken: verifies a drawn tree with q² (renormalised) in place of the q its children
+    were drawn from."""
+
+    def verify_tree(self, vstate, key, tokens, parents, depth, valid, target_logits, sampling,
+                    max_depth, q=None, q_vocab=None, max_children=0):
+        q2 = None if q is None else q * q / jnp.maximum(jnp.sum(q * q, -1, keepdims=True), 1e-30)
+        return super().verify_tree(vstate, key, tokens, parents, depth, valid, target_logits,
+                                   sampling, max_depth, q=q2, q_vocab=q_vocab,
+                                   max_children=max_children)
+
+
+@pytest.mark.parametrize("sampling,broken", [(_T1, False), (_TOPK, False), (_T1, True)],
+                         ids=["T1", "T1-top_k10", "broken-sharp-q"])
+def test_drawn_topk_tree_at_t1(sampling, broken):
+    """EAGLE-3 trees whose children are drawn from q without replacement (`draw=True`: k = 3,
+    8 nodes, depth K = 3), verified by recursive rejection sampling, on the tiny EAGLE-3 at
+    T = 1 (and with top-k 10: children of a node whose q has fewer than k tokens left are
+    empty). ROWS = 4096 per side, α = 0.01 (Holm over t = 1..4), keys 1 / 2 / 3; τ > 1.25
+    (≈ 1.35) at T = 1, > 1.01 with top-k 10 (≈ 1.02: the random drafter's q barely overlaps the
+    target's top 10, as in `test_eagle3_real_q`); at T = 1 the same tree walked with its most
+    probable children gives ≈ 1.01 (`test_topk_tree_at_t1`). Broken variant: the tree verified
+    with q² in place of q is rejected by the same statistic while its A/A control passes."""
+    from jspec.drafters.topk_tree import TopKTree
+
+    model, inner = tiny_eagle3()
+    tree = TopKTree(inner=inner, k=3, nodes=8, draw=True)
+    aa, test, fit, sp = check_lossless(model, sampling, drafter=tree, length=jspec.FixedLength(K),
+                                       verifier=SharpQ() if broken else Lossless())
+    if broken:
+        assert aa.same and not (test.same and fit.same), (aa, test, fit)
+    else:
+        _assert_lossless(aa, test, fit, sp, min_tau=1.25 if sampling is _T1 else 1.01)
 
 
 @jax.tree_util.register_dataclass
@@ -241,9 +279,11 @@ class StaleQLookup(LookupFirst):
         return dataclasses.replace(prop, q=inner.q), state
 
 
-@pytest.mark.parametrize("broken,look,tree", [(False, 0, False), (False, 6, False),
-                                               (False, 6, True), (True, 0, False)],
-                         ids=["lookup", "lookup-look6", "lookup-tree-look6", "broken-stale-q"])
+@pytest.mark.parametrize("broken,look,tree", [(False, 0, None), (False, 6, None),
+                                               (False, 6, False), (False, 6, True),
+                                               (True, 0, None)],
+                         ids=["lookup", "lookup-look6", "lookup-tree-look6",
+                              "lookup-drawn-tree-look6", "broken-stale-q"])
 def test_lookup_first_at_t1(broken, look, tree):
     """The tiny EAGLE-3 + n-gram lookup (`INNER+ngram:n_min=1`) at T = 1, K = 3: with 1-gram
     matches most rounds look up (the flat target's text repeats single tokens often; PROMPT's
@@ -253,20 +293,23 @@ def test_lookup_first_at_t1(broken, look, tree):
     variant (looked-up rows verified with the inner's q) is rejected by the same statistic
     while its A/A control passes. `look6`: looked-up chains of 6 tokens, drafted ones of 3 (two
     verify widths, the q rows past the drafter's chain empty). `tree-look6`: around the top-k
-    tree (k 3, 8 nodes, depth 3), looked-up rows propose a 6-token chain in the tree's place,
-    walked like the tree (τ > 1.005, ≈ 1.02: the walk accepts a node with the target's
-    probability of its token, as in `test_topk_tree_at_t1`)."""
+    tree (k 3, 8 nodes, depth 3, its most probable children), looked-up rows propose a 6-token
+    chain in the tree's place, walked like the tree (τ > 1.005, ≈ 1.02: the walk accepts a
+    node with the target's probability of its token, as in `test_topk_tree_at_t1`).
+    `drawn-tree-look6`: the same around a tree drawn from q (`draw=True`), verified by
+    recursive rejection sampling, the looked-up chains as one-hot q rows in the same
+    procedure (τ > 1.25, ≈ 1.35)."""
     from jspec.drafters.topk_tree import TopKTree
 
     model, inner = tiny_eagle3(include=(5, 6, 7))  # round 1 looks up "7 5 6"
-    if tree:
-        inner = TopKTree(inner=inner, k=3, nodes=8)
+    if tree is not None:
+        inner = TopKTree(inner=inner, k=3, nodes=8, draw=tree)
     drafter = (StaleQLookup if broken else LookupFirst)(inner=inner, n_min=1, look=look)
     aa, test, fit, sp = check_lossless(model, _T1, drafter=drafter, length=jspec.FixedLength(K))
     if broken:
         assert aa.same and not (test.same and fit.same), (aa, test, fit)
     else:
-        _assert_lossless(aa, test, fit, sp, min_tau=1.005 if tree else 1.2)
+        _assert_lossless(aa, test, fit, sp, min_tau={None: 1.2, False: 1.005, True: 1.25}[tree])
 
 
 @jax.tree_util.register_static

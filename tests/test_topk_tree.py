@@ -282,3 +282,58 @@ def test_drafter_lists_keep_a_tree_spec_whole():
     assert split_list("ngram,,smollm2-135m-eagle3@4") == ["ngram", "smollm2-135m-eagle3@4"]
     # An option with nothing before it to attach to is kept as its own (then refused by name).
     assert split_list("k=4,ngram") == ["k=4", "ngram"]
+
+
+def test_drawn_tree_proposal_errors_and_no_recompile():
+    """At T > 0 an EAGLE-3 tree (k 3, width 2, 7 nodes of 15 candidates, depth 3) draws its
+    children from q: siblings hold distinct tokens (without replacement), every node's q row
+    is its parent's distribution (the root's children: the distribution of the chain's first
+    drafted token; siblings share one row), the nodes kept are the first 7 candidates (the
+    root's 3 children, then the first expanded node's 3 and one of the second's), and the
+    draws change with the key. At T = 0 it is the most probable children, with no q. Bad
+    `draw` options are refused; the second sampled call compiles nothing."""
+    from jspec.drafters.base import DraftContext
+    from jspec.rounds import init_state
+    from jspec.verify import Lossless
+
+    base = tiny_model("llama_tied_gqa2", seed=1)
+    model = jspec.Model(config=base.config.replace(eos_ids=()), weights=base.weights)
+    inner = _eagle3(model)
+    tree = TopKTree(inner=inner, k=3, nodes=7, width=2)
+    ids, lens = _pad(PROMPTS)
+    t1 = jspec.Sampling(temperature=1.0)
+    st = init_state(model.config, model.weights, tree, jnp.asarray(ids), jnp.asarray(lens),
+                    jax.random.key(0), sampling=t1, max_new_tokens=16, capacity=64, eos_ids=(),
+                    k=3, verifier=Lossless())
+    ctx = DraftContext(seq=st.seq, cache_len=st.cache.lengths, last=st.last)
+    prop, _ = tree.draft(st.drafter, ctx, 3, t1, jax.random.key(1))
+    chain, _ = inner.draft(st.drafter, ctx, 1, t1, jax.random.key(2))
+    tok, par, q = (np.asarray(a) for a in (prop.tokens, prop.parents, prop.q))
+    assert prop.branching == 3 and q.shape == (*tok.shape, 64)
+    assert (tok >= 0).all() and (par[:, :3] == -1).all()
+    for r in range(tok.shape[0]):
+        np.testing.assert_allclose(q[r, :3], np.broadcast_to(np.asarray(chain.q)[r, 0], (3, 64)),
+                                   rtol=1e-5, atol=1e-7)
+        first, second = par[r, 3], par[r, 6]
+        assert first != second and {first, second} <= {0, 1, 2}
+        np.testing.assert_array_equal(par[r, 3:6], [first] * 3)
+        assert len(set(tok[r, :3])) == 3 and len(set(tok[r, 3:6])) == 3
+        np.testing.assert_array_equal(q[r, 3], q[r, 4])
+        assert not np.allclose(q[r, 3], q[r, 0]) and not np.allclose(q[r, 6], q[r, 3])
+        ids_q = np.asarray(inner.vocab_ids)
+        for t in range(7):  # every drawn token has mass in the row it was drawn from
+            assert q[r, t, np.flatnonzero(ids_q == tok[r, t])[0]] > 0
+    again, _ = tree.draft(st.drafter, ctx, 3, t1, jax.random.key(5))
+    assert not np.array_equal(np.asarray(again.tokens), tok)
+    greedy, _ = tree.draft(st.drafter, ctx, 3, jspec.Sampling(), jax.random.key(1))
+    assert greedy.q is None
+    walked, _ = TopKTree(inner=inner, k=3, nodes=7, width=2, draw=False).draft(
+        st.drafter, ctx, 3, t1, jax.random.key(1))
+    assert walked.q is None
+    with pytest.raises(JspecError, match="draw must be 0 or 1"):
+        jspec.load_drafter("early-exit:1+topk:draw=2", target=model)
+    with pytest.raises(JspecError, match="expands trees"):
+        jspec.load_drafter("early-exit:1+topk:draw=1", target=model)
+    assert not jspec.load_drafter("early-exit:1+topk:draw=0", target=model).draw
+    assert_second_call_compiles_nothing(model, PROMPTS, max_new_tokens=8, drafter=tree,
+                                        length=jspec.FixedLength(3), sampling=t1)

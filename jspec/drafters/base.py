@@ -60,7 +60,8 @@ class Capabilities:
       chain (`TREE+ngram:look=L`) accepts up to max(k, L).
     expands: a chain drafter that can also step several continuations at once (EAGLE-2-style
       trees, `jspec.drafters.topk_tree.expand_tree`): it implements
-      `draft_tree(state, ctx, *, depth, k, width, n) -> (tokens, parents, state)`, its state
+      `draft_tree(state, ctx, *, depth, k, width, n[, sampling, key]) -> (tokens, parents, q,
+      state)` (q: the distributions children were drawn from at T > 0, else None), its state
       made with (depth - 1) * width cache slots past the capacity for the tree's entries.
     default_k: the chain length `generate` uses when given no `length=` (for drafters loaded by
       name, the measured best of `jspec.defaults`).
@@ -109,6 +110,9 @@ class Proposal:
     parents: jax.Array | None = None  # i32[B, N] parent node, -1 = `last`; None: a chain
     conf: jax.Array | None = None  # f32[B, N] confidences (LibraSpec)
     hidden: jax.Array | None = None  # f32[B, N, D] drafter hidden states (DIVERSED's head)
+    # A tree's most children per node (static; 0: unknown). With q at T > 0 a tree's node t
+    # was drawn from q[:, t] (siblings from one q, without replacement, in node order).
+    branching: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @property
     def is_chain(self) -> bool:

@@ -35,7 +35,7 @@ from jspec.drafters.trained import (
 from jspec.models import blocks
 from jspec.models.blocks import dense, rms_norm
 from jspec.models.cache import KV_AXES
-from jspec.sampling import Sampling
+from jspec.sampling import Sampling, process_logits
 from jspec.sharding import logical
 
 
@@ -225,9 +225,13 @@ class Eagle3(TrainedDrafter):
                                       vhat=vhat, hidden=jnp.stack(hs, axis=1))
 
     def draft_tree(self, state: Eagle3State, ctx: DraftContext, *, depth: int, k: int,
-                   width: int, n: int) -> tuple[jax.Array, jax.Array, Eagle3State]:
+                   width: int, n: int, sampling: Sampling | None = None,
+                   key: jax.Array | None = None
+                   ) -> tuple[jax.Array, jax.Array, jax.Array | None, Eagle3State]:
         """An EAGLE-2-style tree of `depth` levels (`topk_tree.expand_tree`): (tokens
-        i32[B, n], parents i32[B, n], state).
+        i32[B, n], parents i32[B, n], q f32[B, n, Vd] | None, state). Given `sampling` (T > 0)
+        and `key`, children are drawn from q (the distribution `choose` draws a chain from)
+        without replacement and q is returned; otherwise the most probable children, q None.
 
         The W nodes of level l are one `step` at position p0 + l (p0: the first drafted entry's
         parent, as in `propose`) whose entries go to the tree slots past the capacity (the
@@ -245,8 +249,14 @@ class Eagle3(TrainedDrafter):
         p0 = ctx.cache_len - 1
         context = jnp.arange(base, dtype=jnp.int32)[None, :] <= p0[:, None]  # [B, base]
 
+        drawn = key is not None and sampling is not None and not sampling.greedy
+
         def logp(h: jax.Array) -> jax.Array:
-            return jax.nn.log_softmax(draft_logits(cfg, p, self.head, h), axis=-1)
+            z = draft_logits(cfg, p, self.head, h)
+            if drawn:  # as `choose` processes the logits it samples a chain from
+                z = process_logits(z if cfg.q_temperature == 1.0 else z / cfg.q_temperature,
+                                   sampling)
+            return jax.nn.log_softmax(z, axis=-1)
 
         def expand(carry: Any, level: int, tok: jax.Array, parent: jax.Array, anc: jax.Array
                    ) -> tuple[jax.Array, Any]:
@@ -260,10 +270,10 @@ class Eagle3(TrainedDrafter):
             h, ck, cv = step(cfg, p, emb, g, pos, ck, cv, slots=slots, mask=mask)
             return logp(h), (ck, cv, h)
 
-        tokens, parents, (ck, cv, _) = expand_tree(
+        tokens, parents, q, (ck, cv, _) = expand_tree(
             logp(h0)[:, 0], self.vocab_ids, expand, (ck, cv, h0), depth=depth, k=k, width=width,
-            n=n)
-        return tokens, parents, dataclasses.replace(state, ck=ck, cv=cv)
+            n=n, key=key if drawn else None)
+        return tokens, parents, q, dataclasses.replace(state, ck=ck, cv=cv)
 
 
 def make(cfg: DrafterConfig, params: Eagle3Params, vocab_ids: Any, target_weights: Any,

@@ -43,8 +43,9 @@ TRAINED.register("file", lambda **kw: kw, {"cut": float, "branches": int, "branc
                  usage="cut=P (D2SD: branches=N, branch_len=N)")
 # Proposers around any chain drafter: "INNER+name:key=value,...".
 WRAPPERS = Registry("proposer")
-WRAPPERS.register("topk", topk_tree.from_options, {"k": int, "nodes": int, "width": int},
-                  usage="k=K,nodes=N,width=W")
+WRAPPERS.register("topk", topk_tree.from_options, {"k": int, "nodes": int, "width": int,
+                                                  "draw": int},
+                  usage="k=K,nodes=N,width=W,draw=0|1")
 WRAPPERS.register("ngram", ngram.lookup_first, {"n_min": int, "n_max": int, "look": int},
                   usage="n_min=M,n_max=N,look=L")
 
@@ -104,7 +105,8 @@ def load_drafter(name_or_path: str | os.PathLike, *, target: Any = None, best: b
     model with the target's tokenizer. `target` may be omitted for trained drafters (their target is
     loaded by name). Any chain drafter followed by "+topk[:k=K,nodes=N,width=W]" proposes its top-k token
     tree instead (`jspec.drafters.topk_tree`; defaults k=4, nodes=16; an EAGLE-3 inner drafter
-    grows it EAGLE-2 style, expanding `width` nodes per level, default k); followed by
+    grows it EAGLE-2 style, expanding `width` nodes per level, default k, and at T > 0 draws the
+    children from its q unless ",draw=0" is given); followed by
     "+ngram[:n_min=M,n_max=N,look=L]" it gives way to the n-gram lookup where the text repeats
     (`jspec.drafters.ngram.LookupFirst`; looked-up chains of up to L tokens, default k), also
     after "+topk" (the looked-up chain then replaces a row's tree).

@@ -157,7 +157,8 @@ class LookupFirst(Proposer):
             par = jnp.pad(par, ((0, 0), (0, pad)), constant_values=-1)
             chain = jnp.arange(-1, n - 1, dtype=jnp.int32)[None]
             par = jnp.where(use[:, None], chain, par)
-        return Proposal(tokens=tokens, q=q, q_vocab=prop.q_vocab, parents=par), state
+        return Proposal(tokens=tokens, q=q, q_vocab=prop.q_vocab, parents=par,
+                        branching=prop.branching), state
 
 
 def _lookahead(inner: Capabilities, look: int, k: int) -> int:

@@ -25,6 +25,13 @@ gives the chain alone.
 Either way the round verifies the tree in one target forward and walks it along the target's
 tokens (`jspec.verify.tree`), so the output is the target's at every temperature, whatever
 the drafter proposes.
+
+At T > 0 an expanding drafter's tree is drawn instead (`draw`, on by default): each expanded
+node's k children are drawn from its q (the distribution a chain would be sampled from)
+without replacement, the tree keeps the first `nodes` candidates in an order that never looks
+at a candidate's own token, and the proposal carries q, so the round verifies it by recursive
+rejection sampling (`jspec.verify.tree.verify_tree_drawn`): a child is accepted with
+min(1, p/q) of the residual rather than only when the target's sample equals it.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import jax.numpy as jnp
 
 from jspec.drafters.base import Capabilities, DraftContext, Proposal, Proposer
 from jspec.errors import JspecError
-from jspec.sampling import Sampling
+from jspec.sampling import NEG, Sampling
 
 
 def tree_nodes(k: int, nodes: int, width: int, chain: int) -> int:
@@ -59,12 +66,19 @@ class TopKTree(Proposer):
     k: children per expanded node, >= 1.
     nodes: node budget N per round (static; the verify forward scores N + 1 tokens).
     width: nodes expanded per level by a drafter that expands (1 <= width <= k; 0: k).
+    draw: at T > 0, an expanding drafter's children are drawn from its q without replacement
+      and verified by recursive rejection sampling (True; None, the default: wherever the
+      inner drafter expands), or are its k most probable tokens, walked (False). At T = 0 both
+      are the k most probable. Measured on SmolLM2 at T = 1 (docs/BENCHMARKS.md, "Trees drawn
+      from q at T > 0"): the same tree's τ +7%, and faster.
     """
 
     k: int = dataclasses.field(metadata=dict(static=True), default=4)
     nodes: int = dataclasses.field(metadata=dict(static=True), default=16)
     width: int = dataclasses.field(metadata=dict(static=True), default=0)
     draft_temperature: float = dataclasses.field(metadata=dict(static=True), default=0.25)
+    # T > 0: draw an expanding drafter's children from q (None: wherever the inner expands).
+    draw: bool | None = dataclasses.field(metadata=dict(static=True), default=None)
     what = "a top-k tree"
 
     def __post_init__(self) -> None:
@@ -76,6 +90,11 @@ class TopKTree(Proposer):
         if not isinstance(self.width, int) or not 0 <= self.width <= self.k:
             raise JspecError(f"top-k tree width must be an integer in [1, k = {self.k}] (0: k), "
                              f"got {self.width!r}")
+        if self.draw not in (None, True, False):
+            raise JspecError(f"top-k tree draw must be None, True or False, got {self.draw!r}")
+        if self.draw and not self.inner.caps.expands:
+            raise JspecError("top-k tree draw=1 draws the children of expanded nodes: it needs "
+                             f"a drafter that expands trees (EAGLE-3), not {self.inner.name!r}")
         if not 0 < self.draft_temperature <= 1:
             raise JspecError("top-k tree draft_temperature must be in (0, 1], got "
                              f"{self.draft_temperature!r}")
@@ -105,14 +124,17 @@ class TopKTree(Proposer):
         """The best `caps.lookahead(k)` nodes of a top-k tree of depth k."""
         n = self.caps.lookahead(k)
         if self.expand_width:
-            tokens, parents, state = self.inner.draft_tree(state, ctx, depth=k, k=self.k,
-                                                           width=self.expand_width, n=n)
-            return Proposal(tokens=tokens, parents=parents), state
+            drawn = {} if self.draw is False else dict(sampling=sampling, key=key)
+            tokens, parents, q, state = self.inner.draft_tree(
+                state, ctx, depth=k, k=self.k, width=self.expand_width, n=n, **drawn)
+            return Proposal(tokens=tokens, parents=parents, q=q,
+                            q_vocab=None if q is None else self.inner.q_vocab,
+                            branching=self.k), state
         inner_sampling = Sampling(temperature=self.draft_temperature, top_k=self.k + 1)
         chain, state = self.inner.draft(state, ctx, k, inner_sampling, key)
         tokens, parents = top_k_tree(chain.tokens, chain.q, self.k, n, self.draft_temperature,
                                      q_vocab=chain.q_vocab)
-        return Proposal(tokens=tokens, parents=parents), state
+        return Proposal(tokens=tokens, parents=parents, branching=self.k), state
 
 
 # expand(carry, level, tokens i32[B, W], parent i32[B, W], anc bool[B, W, E])
@@ -121,7 +143,8 @@ Expand = Callable[[Any, int, jax.Array, jax.Array, jax.Array], tuple[jax.Array, 
 
 
 def expand_tree(root_logp: jax.Array, vocab: jax.Array | None, expand: Expand, carry: Any, *,
-                depth: int, k: int, width: int, n: int) -> tuple[jax.Array, jax.Array, Any]:
+                depth: int, k: int, width: int, n: int, key: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array, jax.Array | None, Any]:
     """An EAGLE-2-style token tree: `depth` levels, `width` nodes expanded per level, the `n`
     best candidates kept.
 
@@ -134,18 +157,39 @@ def expand_tree(root_logp: jax.Array, vocab: jax.Array | None, expand: Expand, c
         to (its expanded ancestors and itself; entry (l - 1) * width + i is node i of level
         l); returns its children's log-probabilities.
       carry: the drafter's state threaded through `expand`.
+      key: None: each expanded node's k most probable children, the `n` best candidates by
+        cumulative probability kept. A key (sampling, T > 0; `root_logp` and `expand` then give
+        log q of the distribution tokens are drawn from): each expanded node's k children are
+        drawn from its q without replacement (Gumbel-top-k, in draw order), and what is kept
+        is the first n candidates in candidate order (level by level, the expanded nodes best
+        first, each one's children in draw order) — a rule that never looks at a candidate's
+        own token, so the children kept at a node are the first draws of it, which recursive
+        rejection sampling needs (`jspec.verify.tree.verify_tree_drawn`).
     Returns:
-      (tokens i32[B, n] (-1: empty), parents i32[B, n] (-1: `last`), carry), topological.
+      (tokens i32[B, n] (-1: empty), parents i32[B, n] (-1: `last`), q f32[B, n, Vd] per node
+      the distribution it was drawn from (None without a key), carry), topological.
     """
     b = root_logp.shape[0]
     ids = (lambda ix: ix) if vocab is None else (lambda ix: vocab[ix])
     e_all = (depth - 1) * width
-    lp, ix = jax.lax.top_k(root_logp, k)  # [B, k] level 0 (depth 1)
+    keys = [None] * depth if key is None else list(jax.random.split(key, depth))
+
+    def children(logp: jax.Array, key: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        if key is None:  # the k most probable
+            return jax.lax.top_k(logp, k)
+        logp = jnp.where(logp > NEG / 2, logp, -jnp.inf)  # filtered by top-k / top-p: q = 0
+        _, ix = jax.lax.top_k(logp + jax.random.gumbel(key, logp.shape), k)  # k draws, in order
+        return jnp.take_along_axis(logp, ix, axis=-1), ix
+
+    lp, ix = children(root_logp, keys[0])  # [B, k] level 0 (depth 1)
+    dists = [root_logp[:, None]]  # [B, 1 | W, Vd] the distributions children are drawn from
+    f_dist = jnp.zeros((b, k), jnp.int32)  # index of the distribution a candidate was drawn from
     f_score, f_tok = lp, ids(ix).astype(jnp.int32)
     f_from = jnp.zeros((b, k), jnp.int32)  # the expanded node a candidate is a child of
     f_anc = jnp.zeros((b, k, e_all), bool)  # that node's entries (ancestors + itself)
     f_par = jnp.full((b, k), -1, jnp.int32)  # candidate index of the parent
     scores, toks, pars, levels = [f_score], [f_tok], [f_par], [jnp.zeros((b, k), jnp.int32)]
+    from_dist = [f_dist]
     offset = 0  # candidate index of the frontier's first node
     for level in range(1, depth):
         s, sel = jax.lax.top_k(f_score, width)  # [B, W] the nodes to expand
@@ -154,7 +198,11 @@ def expand_tree(root_logp: jax.Array, vocab: jax.Array | None, expand: Expand, c
         own = jnp.arange(e_all) == (level - 1) * width + jnp.arange(width)[:, None]  # [W, E]
         anc = jnp.take_along_axis(f_anc, sel[..., None], axis=1) | own[None]
         logp, carry = expand(carry, level, tok, parent, anc)  # [B, W, Vd]
-        lp, ix = jax.lax.top_k(logp, k)  # [B, W, k]
+        lp, ix = children(logp, keys[level])  # [B, W, k]
+        f_dist = jnp.broadcast_to((1 + (level - 1) * width + jnp.arange(width, dtype=jnp.int32)
+                                   )[None, :, None], (b, width, k)).reshape(b, width * k)
+        dists.append(logp)
+        from_dist.append(f_dist)
         offset_next = offset + f_score.shape[1]
         f_score = (s[..., None] + lp).reshape(b, width * k)
         f_tok = ids(ix).astype(jnp.int32).reshape(b, width * k)
@@ -167,9 +215,17 @@ def expand_tree(root_logp: jax.Array, vocab: jax.Array | None, expand: Expand, c
         toks.append(f_tok)
         pars.append(f_par)
         levels.append(jnp.full((b, width * k), level, jnp.int32))
-    tokens, parents = keep_best(*(jnp.concatenate(a, axis=1)
-                                  for a in (scores, toks, pars, levels)), n)
-    return tokens, parents, carry
+    cands = [jnp.concatenate(a, axis=1) for a in (scores, toks, pars, levels)]
+    if key is None:
+        tokens, parents = keep_best(*cands, n)
+        return tokens, parents, None, carry
+    score, tok, par = (a[:, :n] for a in cands[:3])
+    # A child of an empty node scores -inf too (its score includes its parent's).
+    tokens = jnp.where(jnp.isfinite(score), tok, -1).astype(jnp.int32)
+    dist = jnp.concatenate(from_dist, axis=1)[:, :n]  # [B, n]
+    logq = jnp.concatenate(dists, axis=1)  # [B, 1 + (depth - 1) W, Vd]
+    q = jnp.exp(jnp.take_along_axis(logq, dist[..., None], axis=1))  # [B, n, Vd]
+    return tokens, par.astype(jnp.int32), q, carry
 
 
 def top_k_tree(chain: jax.Array, q: jax.Array | None, k: int, n: int, temperature: float,
@@ -255,7 +311,12 @@ def keep_best(score: jax.Array, tok: jax.Array, parent_cand: jax.Array, level: j
     return tokens.astype(jnp.int32), parents.astype(jnp.int32)
 
 
-def from_options(inner: Any, k: int = 4, nodes: int = 16, width: int = 0) -> TopKTree:
-    """`load_drafter`'s `INNER+topk:k=K,nodes=N,width=W`."""
+def from_options(inner: Any, k: int = 4, nodes: int = 16, width: int = 0,
+                 draw: int | None = None) -> TopKTree:
+    """`load_drafter`'s `INNER+topk:k=K,nodes=N,width=W,draw=0|1` (draw not given: where the
+    inner drafter expands)."""
+    if draw not in (None, 0, 1):
+        raise JspecError(f"+topk draw must be 0 or 1, got {draw!r}")
     return TopKTree(inner=inner, k=k, nodes=nodes, width=width,
+                    draw=None if draw is None else bool(draw),
                     name=f"{getattr(inner, 'name', 'drafter')}+topk")

@@ -9,8 +9,8 @@ type), and implements
   init_state(batch, max_rounds)           -> its state pytree (lives in SpecState.verifier)
   verify(state, key, draft, q, logits, sampling, valid[, hidden=]) -> (n, next_token, state)
   plain_step(state)                       -> the state after a round that drafted nothing
-  verify_tree(state, key, tokens, parents, depth, valid, logits, sampling, max_depth)
-                                          -> (n, path, next_token, state)  (`supports.trees`)
+  verify_tree(state, key, tokens, parents, depth, valid, logits, sampling, max_depth[, q=,
+              q_vocab=, max_children=])  -> (n, path, next_token, state)  (`supports.trees`)
 """
 
 from __future__ import annotations
@@ -80,10 +80,13 @@ class Verifier:
 
     def verify_tree(self, vstate: Any, key: jax.Array, tokens: jax.Array, parents: jax.Array,
                     depth: jax.Array, valid: jax.Array, target_logits: jax.Array,
-                    sampling: Sampling, max_depth: int
+                    sampling: Sampling, max_depth: int, q: jax.Array | None = None,
+                    q_vocab: jax.Array | None = None, max_children: int = 0
                     ) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
         """Verify a token tree (root = `last` at node 0; shapes as `jspec.verify.tree.walk`):
-        (n accepted, path i32[B, max_depth + 1], next token, state)."""
+        (n accepted, path i32[B, max_depth + 1], next token, state). `q` f32[B, T, Vq] over
+        `q_vocab`: per node the distribution its token was drawn from (None: deterministic
+        nodes); `max_children`: static bound on a node's children (0: unknown)."""
         raise NotImplementedError(f"{self.name} does not verify trees")
 
 

@@ -43,7 +43,8 @@ class Lossless(Verifier):
 
     @property
     def supports(self) -> Supports:
-        """Every temperature, exact; for trees the walk (`jspec.verify.tree`); q in the
+        """Every temperature, exact; for trees the walk, or recursive rejection sampling for
+        children drawn from q (`jspec.verify.tree`); q in the
         drafter's vocabulary (the kernel path scatters it to the target's)."""
         return Supports(trees=True, compact_q=True)
 
@@ -59,10 +60,11 @@ class Lossless(Verifier):
 
     def verify_tree(self, vstate: None, key: jax.Array, tokens: jax.Array, parents: jax.Array,
                     depth: jax.Array, valid: jax.Array, target_logits: jax.Array,
-                    sampling: Sampling, max_depth: int
+                    sampling: Sampling, max_depth: int, q: jax.Array | None = None,
+                    q_vocab: jax.Array | None = None, max_children: int = 0
                     ) -> tuple[jax.Array, jax.Array, jax.Array, None]:
         n, path, nxt = verify_tree(key, tokens, parents, depth, valid, target_logits, sampling,
-                                   max_depth)
+                                   max_depth, q=q, q_vocab=q_vocab, max_children=max_children)
         return n, path, nxt, vstate
 
 

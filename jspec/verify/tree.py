@@ -7,6 +7,12 @@ token is the target's own choice given the tokens before it, so the output is di
 exactly as plain sampling from the target (greedy: identical), whatever the tree. One token per
 node is pre-drawn with independent randomness; the path visits each node at most once, so this
 is the same as drawing on the way.
+
+A tree whose children were drawn from the drafter's q at T > 0 (`+topk:...,draw=1`) carries
+that q and is verified by recursive rejection sampling instead (`verify_tree_drawn`): a child
+is accepted with min(1, p/q) of the residual, not only when the target's own sample equals it,
+which is the walk's rule for deterministic children and the degenerate case of the same
+procedure (q one-hot at the child).
 """
 
 from __future__ import annotations
@@ -15,7 +21,10 @@ import jax
 import jax.numpy as jnp
 
 from jspec.models.llama import tree_ancestors
-from jspec.sampling import Sampling, sample
+from jspec.sampling import Sampling, dense_q, process_logits, sample, sample_from_probs
+
+# Below this residual mass the residual is numerically empty: keep p (as `verify_chain`).
+RESIDUAL_EPS = 1e-8
 
 
 def walk(tokens: jax.Array, parents: jax.Array, depth: jax.Array, valid: jax.Array,
@@ -52,9 +61,102 @@ def walk(tokens: jax.Array, parents: jax.Array, depth: jax.Array, valid: jax.Arr
 
 
 def verify_tree(key: jax.Array, tokens: jax.Array, parents: jax.Array, depth: jax.Array,
-                valid: jax.Array, target_logits: jax.Array, sampling: Sampling, max_depth: int
-                ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`walk` with one target token per node drawn from `target_logits` f32[B, T, V] (the
-    target forward over the tree's T nodes, root first). Returns (n, path, next token)."""
+                valid: jax.Array, target_logits: jax.Array, sampling: Sampling, max_depth: int,
+                q: jax.Array | None = None, q_vocab: jax.Array | None = None,
+                max_children: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Verify a tree from the target forward `target_logits` f32[B, T, V] over its T nodes,
+    root first. Deterministic children (q None, or greedy): `walk` with one target token per
+    node drawn from the logits. Children drawn from q f32[B, T, Vq] at T > 0:
+    `verify_tree_drawn` (`max_children` static, 0: T - 1). Returns (n, path, next token)."""
+    if q is not None and not sampling.greedy:
+        return verify_tree_drawn(key, tokens, parents, valid, target_logits, sampling,
+                                 max_depth, q, q_vocab, max_children or tokens.shape[1] - 1)
     target_tok = sample(key, target_logits, sampling)  # [B, T]
     return walk(tokens, parents, depth, valid, target_tok, max_depth)
+
+
+def verify_tree_drawn(key: jax.Array, tokens: jax.Array, parents: jax.Array, valid: jax.Array,
+                      target_logits: jax.Array, sampling: Sampling, max_depth: int,
+                      q: jax.Array, q_vocab: jax.Array | None, max_children: int
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Recursive rejection sampling down a tree whose children were drawn from q (T > 0).
+
+    At the current node u (the root first) with target distribution p (after `sampling`'s
+    processing), its children c_1, c_2, ... are tried in node order: c_i is accepted with
+    probability min(1, p(c_i) / q_i(c_i)), where q_i is the distribution c_i was drawn from —
+    its q row with the tokens already tried at u removed and renormalised (children drawn from
+    one q without replacement, in node order) — and on a rejection p becomes the residual
+    norm([p − q_i]+). An accepted child becomes the current node; when every child is rejected
+    (or there is none) the next token is drawn from the residual p, and the walk stops. Each
+    step's output is distributed as p, so every emitted token is the target's (Chen et al.'s
+    speculative sampling applied recursively; for children drawn without replacement, Jeon et
+    al. 2024, "Recursive Speculative Decoding").
+
+    A node whose q row gives its own token no mass was not drawn from it: it is a deterministic
+    proposal (a top-k child at T = 0, a looked-up token), i.e. q_i is one-hot at it. A tree of
+    deterministic children only is then verified exactly as the walk would (a child accepted
+    with the residual's probability of its token: the target's sample matches it).
+
+    Args:
+      tokens, parents, valid: as in `walk` (node 0 the root).
+      target_logits: f32[B, T, V] the target forward over the T nodes.
+      q: f32[B, T, Vq] per node the draft distribution it was drawn from (its parent's q;
+        row 0 unused), over the target ids `q_vocab` i32[Vq] (None: all V).
+      max_children: static bound on the children of a node (tried per level).
+    Returns:
+      (n i32[B], path i32[B, max_depth + 1], next token i32[B]) as `walk`.
+    """
+    b, t = tokens.shape
+    v = target_logits.shape[-1]
+    rows = jnp.arange(b)
+    idx = jnp.arange(t, dtype=jnp.int32)
+    m = max(1, min(max_children, t - 1))
+    p_all = jax.nn.softmax(process_logits(target_logits, sampling), axis=-1)  # [B, T, V]
+    cur = jnp.zeros((b,), jnp.int32)
+    alive = jnp.ones((b,), bool)
+    n = jnp.zeros((b,), jnp.int32)
+    p_stop = jnp.zeros((b, v), jnp.float32)  # the residual each row stops at
+    path = jnp.zeros((b, max_depth + 1), jnp.int32)
+    k_u, k_s = jax.random.split(key)
+    all_uniforms = jax.random.uniform(k_u, (max_depth + 1, b, m))
+    for level in range(max_depth + 1):
+        uniforms = all_uniforms[level]
+        p = p_all[rows, cur]  # [B, V]
+        child = valid & (parents == cur[:, None]) & (idx > 0)[None]
+        # The first m children in node order (their draw order).
+        order, cidx = jax.lax.top_k(jnp.where(child, -idx[None], -t), m)
+        has = order > -t  # [B, m]
+        tried = jnp.zeros((b, v), bool)
+        taken = jnp.zeros((b,), bool)
+        to = jnp.zeros((b,), jnp.int32)
+        for i in range(m):
+            c = cidx[:, i]
+            ok = has[:, i] & alive & ~taken
+            tok = jnp.take_along_axis(tokens, c[:, None], axis=1)[:, 0]
+            hot = jnp.arange(v, dtype=jnp.int32)[None] == tok[:, None]  # [B, V]
+            r = dense_q(q[rows, c], q_vocab, v)
+            drawn = jnp.sum(jnp.where(hot, r, 0.0), axis=-1) > 0
+            r = jnp.where(drawn[:, None], r, hot.astype(r.dtype))
+            r = jnp.where(tried, 0.0, r)
+            r = r / jnp.maximum(jnp.sum(r, axis=-1, keepdims=True), 1e-30)
+            q_x = jnp.sum(jnp.where(hot, r, 0.0), axis=-1)
+            p_x = jnp.sum(jnp.where(hot, p, 0.0), axis=-1)
+            acc = ok & (uniforms[:, i] * q_x < p_x)
+            rej = ok & ~acc
+            resid = jnp.maximum(p - r, 0.0)
+            mass = jnp.sum(resid, axis=-1, keepdims=True)
+            p = jnp.where(rej[:, None] & (mass > RESIDUAL_EPS), resid / jnp.maximum(mass, 1e-30),
+                          p)
+            tried = tried | (ok[:, None] & hot)
+            to = jnp.where(acc, c, to)
+            taken = taken | acc
+        p_stop = jnp.where((alive & ~taken)[:, None], p, p_stop)
+        move = alive & taken
+        n = n + move.astype(jnp.int32)
+        if level < max_depth:
+            path = path.at[:, level + 1].set(jnp.where(move, to, 0))
+        cur = jnp.where(move, to, cur)
+        alive = move
+    # One draw per row from the residual it stopped at (a draw over V per level costs ~1 ms
+    # on a CPU: Gumbel noise for 49,152 tokens).
+    return n, path, sample_from_probs(k_s, p_stop)
