@@ -138,6 +138,38 @@ def test_lookup_around_a_tree():
     np.testing.assert_array_equal(prop.tokens[0], [7, 8, -1, -1, -1, -1])
 
 
+def test_lookup_inside_a_drawn_tree_is_not_cut():
+    """At T = 1 inside an EAGLE-3 tree drawn from q (`+topk` k 2, width 2, 4 nodes,
+    `+ngram:look=4`): a looked-up chain whose tokens lie outside the draft vocabulary is kept
+    whole (a chain's lookup is cut there: its one-hot q lives in that vocabulary), with empty
+    q rows, which the tree's verification reads as deterministic nodes; the other row keeps
+    its drawn tree and q."""
+    from jspec.drafters.topk_tree import TopKTree
+    from jspec.rounds import init_state
+    from jspec.verify import Lossless
+
+    model, inner = tiny_drafter("eagle3")
+    vocab = set(np.asarray(inner.vocab_ids).tolist())
+    a, b = sorted(vocab)[5:7]
+    out = [t for t in range(1, model.config.vocab_size) if t not in vocab][:2]
+    rows = [[a, b, out[0], out[1], a, out[0], a, b], [a, b, out[0]]]  # row 1: no repeat
+    ids, lens = _pad(rows)
+    t1 = jspec.Sampling(temperature=1.0)
+    d = LookupFirst(inner=TopKTree(inner=inner, k=2, nodes=4, width=2), look=4)
+    st = init_state(model.config, model.weights, d, jnp.asarray(ids), jnp.asarray(lens),
+                    jax.random.key(0), sampling=t1, max_new_tokens=8, capacity=32, eos_ids=(),
+                    k=2, verifier=Lossless())
+    ctx = _ctx(rows)  # the committed text: the rows (the drafter's state is the prompts')
+    prop, _ = d.draft(st.drafter, ctx, 2, t1, jax.random.key(1))
+    np.testing.assert_array_equal(prop.tokens[0], [out[0], out[1], a, out[0]])
+    np.testing.assert_array_equal(prop.parents[0], [-1, 0, 1, 2])
+    assert float(jnp.abs(prop.q[0]).sum()) == 0.0
+    assert prop.tokens[1, 0] >= 0 and float(prop.q[1, 0].sum()) > 0.99
+    chain = LookupFirst(inner=inner, look=4)
+    cp, _ = chain.draft(st.drafter, ctx, 2, t1, jax.random.key(1))
+    assert int(cp.tokens[0, 0]) != out[0]  # the chain's lookup stops at out[0]: own draft
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
 def test_lookup_around_a_tree_greedy_identity(kind):
     """Greedy decoding with `INNER+topk:k=2,nodes=4+ngram:look=6` at depth 2 is

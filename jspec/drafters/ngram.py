@@ -87,7 +87,10 @@ class LookupFirst(Proposer):
     instead (`NGram.lookup`). When sampling, its q there is one-hot (the lookup is a
     deterministic function of the committed text, so verification stays lossless) over the
     inner drafter's q vocabulary: the continuation is cut at its first token outside it, and a
-    row whose first looked-up token is outside keeps the inner drafter's chain.
+    row whose first looked-up token is outside keeps the inner drafter's chain. Inside a tree
+    drawn from q (`+topk` at T > 0) its q rows are empty instead, which the tree's recursive
+    rejection sampling reads as deterministic nodes (`jspec.verify.tree.verify_tree_drawn`):
+    no cut.
 
     `look` > k: a looked-up continuation runs to `look` tokens (the inner drafter's chain stays
     k); the round verifies `look` tokens only when some live row looked one up, else k
@@ -142,16 +145,19 @@ class LookupFirst(Proposer):
         pad = n - own.shape[1]  # the inner's rows propose nothing past its own nodes
         own = jnp.pad(own, ((0, 0), (0, pad)), constant_values=-1)
         looked = jnp.pad(looked, ((0, 0), (0, n - m)), constant_values=-1)
-        if q is not None:  # one-hot over the inner's q vocabulary, the chain cut outside it
+        if q is not None:
             q = jnp.pad(q, ((0, 0), (0, pad), (0, 0)))
-            ids = (jnp.arange(q.shape[-1], dtype=jnp.int32) if prop.q_vocab is None
-                   else prop.q_vocab)
-            hot = looked[..., None] == ids  # [B, n, Vq]
-            inside = jnp.cumprod(jnp.any(hot, axis=-1), axis=1).astype(bool)
-            looked = jnp.where(inside, looked, -1)
+            if par is None:  # a chain: one-hot over the inner's q vocabulary, cut outside it
+                ids = (jnp.arange(q.shape[-1], dtype=jnp.int32) if prop.q_vocab is None
+                       else prop.q_vocab)
+                hot = (looked[..., None] == ids).astype(q.dtype)  # [B, n, Vq]
+                inside = jnp.cumprod(jnp.any(hot > 0, axis=-1), axis=1).astype(bool)
+                looked = jnp.where(inside, looked, -1)
+            else:  # a drawn tree: empty rows, which its verification reads as deterministic
+                hot = jnp.zeros_like(q)
         use = found & (looked[:, 0] >= 0)  # [B] (a match's first token is always known)
         if q is not None:
-            q = jnp.where(use[:, None, None], hot.astype(q.dtype), q)
+            q = jnp.where(use[:, None, None], hot, q)
         tokens = jnp.where(use[:, None], looked, own)
         if par is not None:  # a tree: the looked-up rows' chain, node t's parent t - 1
             par = jnp.pad(par, ((0, 0), (0, pad)), constant_values=-1)
