@@ -57,8 +57,10 @@ def flat_model() -> jspec.Model:
 
 
 @functools.cache
-def tiny_eagle3(include: tuple[int, ...] = ()) -> tuple[jspec.Model, eagle3.Eagle3]:
-    """A random EAGLE-3 drafter (draft vocabulary: 64 of the 97 tokens, `include` among them)
+def tiny_eagle3(include: tuple[int, ...] = (), exclude: tuple[int, ...] = ()
+                ) -> tuple[jspec.Model, eagle3.Eagle3]:
+    """A random EAGLE-3 drafter (draft vocabulary: 64 of the 97 tokens, `include` among them,
+    `exclude` not)
     on `flat_model`, its final norm scaled down so that q is broad and overlaps p (τ ≈ 1.27 at
     K = 3, T = 1)."""
     model = flat_model()
@@ -66,7 +68,7 @@ def tiny_eagle3(include: tuple[int, ...] = ()) -> tuple[jspec.Model, eagle3.Eagl
     params = eagle3.init_params(cfg, jax.random.key(3))
     params = dataclasses.replace(params, final_norm=params.final_norm * 0.3)
     perm = np.random.default_rng(0).permutation(model.config.vocab_size)
-    perm = np.asarray([*include, *(t for t in perm if t not in include)], perm.dtype)
+    perm = np.asarray([*include, *(t for t in perm if t not in include + exclude)], perm.dtype)
     vocab = np.sort(perm[:64])
     return model, eagle3.make(cfg, params, vocab, model.weights)
 
@@ -279,16 +281,18 @@ class StaleQLookup(LookupFirst):
         return dataclasses.replace(prop, q=inner.q), state
 
 
-@pytest.mark.parametrize("broken,look,tree", [(False, 0, None), (False, 6, None),
-                                               (False, 6, False), (False, 6, True),
-                                               (True, 0, None)],
-                         ids=["lookup", "lookup-look6", "lookup-tree-look6",
-                              "lookup-drawn-tree-look6", "broken-stale-q"])
-def test_lookup_first_at_t1(broken, look, tree):
+@pytest.mark.parametrize("broken,look,tree,outside", [
+    (False, 0, None, False), (False, 6, None, False), (False, 6, None, True),
+    (False, 6, False, False), (False, 6, True, False), (True, 0, None, False)],
+    ids=["lookup", "lookup-look6", "lookup-look6-outside-vocab", "lookup-tree-look6",
+         "lookup-drawn-tree-look6", "broken-stale-q"])
+def test_lookup_first_at_t1(broken, look, tree, outside):
     """The tiny EAGLE-3 + n-gram lookup (`INNER+ngram:n_min=1`) at T = 1, K = 3: with 1-gram
     matches most rounds look up (the flat target's text repeats single tokens often; PROMPT's
-    5, 6, 7 are in the drafter's vocabulary, so round 1 looks up after them), verified with a
-    one-hot q in the drafter's vocabulary; the other rounds draft with the real q. ROWS = 4096
+    5, 6, 7 are in the drafter's vocabulary, so round 1 looks up after them), verified with
+    empty q rows (deterministic slots, verified as q one-hot at the token); the other rounds
+    draft with the real q. `outside-vocab`: 5, 6 and 7 are outside the drafter's vocabulary
+    (looked-up chains are still proposed whole; τ > 1.2, ≈ 1.24). ROWS = 4096
     per side, α = 0.01 (Holm over t = 1..4), keys 1 / 2 / 3; τ > 1.2 (≈ 1.26). The broken
     variant (looked-up rows verified with the inner's q) is rejected by the same statistic
     while its A/A control passes. `look6`: looked-up chains of 6 tokens, drafted ones of 3 (two
@@ -297,11 +301,12 @@ def test_lookup_first_at_t1(broken, look, tree):
     chain in the tree's place, walked like the tree (τ > 1.005, ≈ 1.02: the walk accepts a
     node with the target's probability of its token, as in `test_topk_tree_at_t1`).
     `drawn-tree-look6`: the same around a tree drawn from q (`draw=True`), verified by
-    recursive rejection sampling, the looked-up chains as one-hot q rows in the same
+    recursive rejection sampling, the looked-up chains' empty q rows one-hot in the same
     procedure (τ > 1.25, ≈ 1.35)."""
     from jspec.drafters.topk_tree import TopKTree
 
-    model, inner = tiny_eagle3(include=(5, 6, 7))  # round 1 looks up "7 5 6"
+    model, inner = (tiny_eagle3(exclude=(5, 6, 7)) if outside  # round 1 looks up "7 5 6"
+                    else tiny_eagle3(include=(5, 6, 7)))
     if tree is not None:
         inner = TopKTree(inner=inner, k=3, nodes=8, draw=tree)
     drafter = (StaleQLookup if broken else LookupFirst)(inner=inner, n_min=1, look=look)

@@ -84,13 +84,11 @@ class LookupFirst(Proposer):
     Every round the inner drafter drafts as usual (its state follows the committed text either
     way); in each row whose committed text ends in an n-gram of at least `n_min` tokens seen
     earlier (longest first, up to `n_max`), the proposal is that occurrence's continuation
-    instead (`NGram.lookup`). When sampling, its q there is one-hot (the lookup is a
-    deterministic function of the committed text, so verification stays lossless) over the
-    inner drafter's q vocabulary: the continuation is cut at its first token outside it, and a
-    row whose first looked-up token is outside keeps the inner drafter's chain. Inside a tree
-    drawn from q (`+topk` at T > 0) its q rows are empty instead, which the tree's recursive
-    rejection sampling reads as deterministic nodes (`jspec.verify.tree.verify_tree_drawn`):
-    no cut.
+    instead (`NGram.lookup`). When sampling, its q rows there are empty: a row that gives its
+    own token no mass is a deterministic slot, which verification treats as q one-hot at the
+    token (`verify_chain`; a drawn tree's `verify_tree_drawn` the same way) — the lookup is a
+    deterministic function of the committed text, so verification stays lossless, and a
+    looked-up token need not be in the inner drafter's q vocabulary.
 
     `look` > k: a looked-up continuation runs to `look` tokens (the inner drafter's chain stays
     k); the round verifies `look` tokens only when some live row looked one up, else k
@@ -145,19 +143,9 @@ class LookupFirst(Proposer):
         pad = n - own.shape[1]  # the inner's rows propose nothing past its own nodes
         own = jnp.pad(own, ((0, 0), (0, pad)), constant_values=-1)
         looked = jnp.pad(looked, ((0, 0), (0, n - m)), constant_values=-1)
-        if q is not None:
-            q = jnp.pad(q, ((0, 0), (0, pad), (0, 0)))
-            if par is None:  # a chain: one-hot over the inner's q vocabulary, cut outside it
-                ids = (jnp.arange(q.shape[-1], dtype=jnp.int32) if prop.q_vocab is None
-                       else prop.q_vocab)
-                hot = (looked[..., None] == ids).astype(q.dtype)  # [B, n, Vq]
-                inside = jnp.cumprod(jnp.any(hot > 0, axis=-1), axis=1).astype(bool)
-                looked = jnp.where(inside, looked, -1)
-            else:  # a drawn tree: empty rows, which its verification reads as deterministic
-                hot = jnp.zeros_like(q)
         use = found & (looked[:, 0] >= 0)  # [B] (a match's first token is always known)
-        if q is not None:
-            q = jnp.where(use[:, None, None], hot, q)
+        if q is not None:  # empty rows: deterministic slots, verified as q one-hot
+            q = jnp.where(use[:, None, None], 0.0, jnp.pad(q, ((0, 0), (0, pad), (0, 0))))
         tokens = jnp.where(use[:, None], looked, own)
         if par is not None:  # a tree: the looked-up rows' chain, node t's parent t - 1
             par = jnp.pad(par, ((0, 0), (0, pad)), constant_values=-1)

@@ -240,7 +240,12 @@ class Diversed(Verifier):
             p = jax.nn.softmax(target_logits.astype(jnp.float32), axis=-1)  # [B, K+1, V]
         else:
             p = jax.nn.softmax(process_logits(target_logits, sampling), axis=-1)
-        qd = jax.nn.one_hot(draft, p.shape[-1], dtype=jnp.float32) if q is None else q
+        hot = jax.nn.one_hot(draft, p.shape[-1], dtype=jnp.float32)
+        if q is None:
+            qd = hot
+        else:  # a row with no mass at its own token is a deterministic slot: one-hot
+            q_x = jnp.take_along_axis(q, draft[..., None], axis=-1)
+            qd = jnp.where(q_x <= 0, hot, q)
         qd = jnp.where(valid[..., None], qd, 0.0)  # an empty slot proposes nothing
         if self._fused(sampling):
             # One w per row (static or task level): the fused kernel, same random numbers.

@@ -98,6 +98,10 @@ def verify_chain_fused(key: jax.Array, draft: jax.Array, q: jax.Array | None,
                          f"and temperature 0 or >= {MIN_TEMPERATURE}; got {sampling}")
     b, k = draft.shape
     u = g = None
+    if q is not None:  # deterministic slots (no mass at their own token): one-hot rows
+        v = target_logits.shape[-1]
+        q_x = jnp.take_along_axis(q, draft[..., None], axis=-1)[..., 0]
+        q = jnp.where((q_x <= 0)[..., None], jax.nn.one_hot(draft, v, dtype=q.dtype), q)
     if not sampling.greedy:
         k_u, k_s = jax.random.split(key)
         u = jax.random.uniform(k_u, (b, k))
@@ -122,7 +126,9 @@ def verify_chain(key: jax.Array, draft: jax.Array, q: jax.Array | None, target_l
       draft: i32[B, K] drafted tokens.
       q: f32[B, K, Vq] draft distributions after the same processing as p over the target
         ids `q_vocab` (i32[Vq]; None: all V), or None for a deterministic (one-hot) draft.
-        Only q at the drafted tokens and one row's q (the residual's) are scattered to V.
+        Only q at the drafted tokens and one row's q (the residual's) are scattered to V. A
+        row that gives its own drafted token no mass (a looked-up token, `+ngram`) was not
+        drawn from it: it is a deterministic slot, verified as q one-hot at the token.
       target_logits: f32[B, K+1, V] raw target logits at the K drafted positions + 1.
       sampling: applied identically to p (and, by the drafter, to q).
       valid: bool[B, K] or None; an invalid position is a slot where the drafter proposed
@@ -162,13 +168,16 @@ def verify_chain(key: jax.Array, draft: jax.Array, q: jax.Array | None, target_l
         q_x = jnp.take_along_axis(q, draft[..., None], axis=-1)[..., 0]
     else:  # the entry whose target id is the draft (0 when the drafter gave it none)
         q_x = jnp.sum(jnp.where(row_ids == draft[..., None], q, 0.0), axis=-1)
+    det = q_x <= 0  # a deterministic slot: q one-hot at the draft
+    q_x = jnp.where(det, 1.0, q_x)
     u = jax.random.uniform(k_u, (b, k))
     nu_x = p_x if w is None else w * p_x + (1.0 - w) * q_x
     n, row, proposed, _ = accept_sampled(ok, u, q_x, nu_x)
     rows = jnp.arange(b)
-    q_n = jnp.where(proposed[:, None],
-                    dense_q(q[rows, row], None if row_ids is None else row_ids[rows, row], v),
-                    0.0)
+    q_row = dense_q(q[rows, row], None if row_ids is None else row_ids[rows, row], v)
+    q_row = jnp.where(det[rows, row][:, None],
+                      jax.nn.one_hot(draft[rows, row], v, dtype=q_row.dtype), q_row)
+    q_n = jnp.where(proposed[:, None], q_row, 0.0)
     return n, residual_token(k_s, p[rows, n], q_n)
 
 
