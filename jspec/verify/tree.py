@@ -22,9 +22,7 @@ import jax.numpy as jnp
 
 from jspec.models.llama import tree_ancestors
 from jspec.sampling import Sampling, dense_q, process_logits, sample, sample_from_probs
-
-# Below this residual mass the residual is numerically empty: keep p (as `verify_chain`).
-RESIDUAL_EPS = 1e-8
+from pallas_kernels.relaxed_acceptance.decide import RESIDUAL_EPS
 
 
 def walk(tokens: jax.Array, parents: jax.Array, depth: jax.Array, valid: jax.Array,
@@ -145,6 +143,7 @@ def verify_tree_drawn(key: jax.Array, tokens: jax.Array, parents: jax.Array, val
             rej = ok & ~acc
             resid = jnp.maximum(p - r, 0.0)
             mass = jnp.sum(resid, axis=-1, keepdims=True)
+            # A numerically empty residual keeps p (as `verify_chain`'s residual draw does).
             p = jnp.where(rej[:, None] & (mass > RESIDUAL_EPS), resid / jnp.maximum(mass, 1e-30),
                           p)
             tried = tried | (ok[:, None] & hot)
