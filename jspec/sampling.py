@@ -118,6 +118,16 @@ def sample_from_probs(key: jax.Array, p: jax.Array) -> jax.Array:
     return categorical(key, jnp.log(jnp.maximum(p, 0.0)))
 
 
+def one_hot_where_deterministic(q: jax.Array, tokens: jax.Array) -> jax.Array:
+    """f32[..., V]: q over all V with every row that gives its own token (i32[...]) no mass
+    replaced by one-hot at that token. Such a row marks a deterministic slot — a token not
+    drawn from q (a looked-up one, `+ngram`) — which verification treats as q one-hot; a
+    token drawn from q always has mass there."""
+    hot = jax.nn.one_hot(tokens, q.shape[-1], dtype=q.dtype)
+    q_x = jnp.take_along_axis(q, tokens[..., None], axis=-1)
+    return jnp.where(q_x <= 0, hot, q)
+
+
 def dense_q(q: jax.Array | None, q_vocab: jax.Array | None, v: int) -> jax.Array | None:
     """q f32[..., Vq] over the target ids `q_vocab` as f32[..., V]. `q_vocab` is i32[Vq] (one
     vocabulary for every row), i32[..., Vq] (each row its own ids, q's shape), or None (q is

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.errors import JspecError
-from jspec.sampling import Sampling, process_logits
+from jspec.sampling import Sampling, one_hot_where_deterministic, process_logits
 from jspec.verify.base import Supports, Verifier
 from jspec.verify.lossless import fused_acceptance_supports, verify_chain, verify_chain_fused
 
@@ -240,12 +240,8 @@ class Diversed(Verifier):
             p = jax.nn.softmax(target_logits.astype(jnp.float32), axis=-1)  # [B, K+1, V]
         else:
             p = jax.nn.softmax(process_logits(target_logits, sampling), axis=-1)
-        hot = jax.nn.one_hot(draft, p.shape[-1], dtype=jnp.float32)
-        if q is None:
-            qd = hot
-        else:  # a row with no mass at its own token is a deterministic slot: one-hot
-            q_x = jnp.take_along_axis(q, draft[..., None], axis=-1)
-            qd = jnp.where(q_x <= 0, hot, q)
+        qd = (jax.nn.one_hot(draft, p.shape[-1], dtype=jnp.float32) if q is None
+              else one_hot_where_deterministic(q, draft))  # deterministic slots: one-hot
         qd = jnp.where(valid[..., None], qd, 0.0)  # an empty slot proposes nothing
         if self._fused(sampling):
             # One w per row (static or task level): the fused kernel, same random numbers.

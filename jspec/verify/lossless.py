@@ -8,7 +8,14 @@ import jax
 import jax.numpy as jnp
 
 from jspec.errors import JspecError
-from jspec.sampling import Sampling, argmax, dense_q, process_logits, sample_from_probs
+from jspec.sampling import (
+    Sampling,
+    argmax,
+    dense_q,
+    one_hot_where_deterministic,
+    process_logits,
+    sample_from_probs,
+)
 from jspec.verify.base import Supports, Verifier
 from jspec.verify.tree import verify_tree
 from pallas_kernels.relaxed_acceptance import MIN_TEMPERATURE, relaxed_acceptance
@@ -99,9 +106,7 @@ def verify_chain_fused(key: jax.Array, draft: jax.Array, q: jax.Array | None,
     b, k = draft.shape
     u = g = None
     if q is not None:  # deterministic slots (no mass at their own token): one-hot rows
-        v = target_logits.shape[-1]
-        q_x = jnp.take_along_axis(q, draft[..., None], axis=-1)[..., 0]
-        q = jnp.where((q_x <= 0)[..., None], jax.nn.one_hot(draft, v, dtype=q.dtype), q)
+        q = one_hot_where_deterministic(q, draft)
     if not sampling.greedy:
         k_u, k_s = jax.random.split(key)
         u = jax.random.uniform(k_u, (b, k))
@@ -168,15 +173,14 @@ def verify_chain(key: jax.Array, draft: jax.Array, q: jax.Array | None, target_l
         q_x = jnp.take_along_axis(q, draft[..., None], axis=-1)[..., 0]
     else:  # the entry whose target id is the draft (0 when the drafter gave it none)
         q_x = jnp.sum(jnp.where(row_ids == draft[..., None], q, 0.0), axis=-1)
-    det = q_x <= 0  # a deterministic slot: q one-hot at the draft
-    q_x = jnp.where(det, 1.0, q_x)
+    q_x = jnp.where(q_x <= 0, 1.0, q_x)  # a deterministic slot: q one-hot at the draft
     u = jax.random.uniform(k_u, (b, k))
     nu_x = p_x if w is None else w * p_x + (1.0 - w) * q_x
     n, row, proposed, _ = accept_sampled(ok, u, q_x, nu_x)
     rows = jnp.arange(b)
-    q_row = dense_q(q[rows, row], None if row_ids is None else row_ids[rows, row], v)
-    q_row = jnp.where(det[rows, row][:, None],
-                      jax.nn.one_hot(draft[rows, row], v, dtype=q_row.dtype), q_row)
+    q_row = one_hot_where_deterministic(
+        dense_q(q[rows, row], None if row_ids is None else row_ids[rows, row], v),
+        draft[rows, row])
     q_n = jnp.where(proposed[:, None], q_row, 0.0)
     return n, residual_token(k_s, p[rows, n], q_n)
 
