@@ -64,12 +64,12 @@ class FixedLength:
         return self.k, caps.path_len(self.k)
 
     def verify_widths_for(self, caps: Capabilities) -> tuple[int, ...]:
-        """Static verify widths (nodes after `last`): the proposal's nodes; a chain proposer
-        whose chains may run past k (`caps.lookahead(k) > k`) also gets width k, for rounds in
-        which no live row's chain does; a drafter that may abstain also gets width 0, a
-        one-token forward when no live row proposed anything."""
-        n = caps.lookahead(self.k)
-        widths = (n,) if caps.tree or n == self.k else (self.k, n)
+        """Static verify widths (nodes after `last`): the drafter's `caps.verify_widths(k)` —
+        the proposal's nodes, and the fewer nodes some rounds' rows fill (a chain proposer's
+        inner chain of k inside longer looked-up chains, a tree's looked-up chain); a drafter
+        that may abstain also gets width 0, a one-token forward when no live row proposed
+        anything. The round verifies the smallest width its live rows need."""
+        widths = caps.verify_widths(self.k)
         return (0, *widths) if caps.may_abstain else widths
 
     def draft(self, drafter: Any, dstate: Any, ctx: DraftContext, sampling: Sampling,

@@ -110,8 +110,9 @@ def test_longer_looked_up_chains():
 def test_lookup_around_a_tree():
     """`INNER+topk+ngram:look=4` at depth k = 2: a looked-up row proposes its 4-token chain as
     the tree whose node t has parent t - 1, padded to the tree's node budget (the chain-only
-    top-k tree of `Fixed`'s chain: k 3, 6 nodes), the other rows keep their trees; one verify
-    width (a tree's), paths up to 4 tokens."""
+    top-k tree of `Fixed`'s chain: k 3, 6 nodes), the other rows keep their trees; two verify
+    widths (the looked-up chain's 4, a tree's 6: the smallest the live rows need), paths up to
+    4 tokens."""
     from jspec.drafters.topk_tree import TopKTree
 
     ctx = _ctx([[5, 6, 7, 8, 9, 10, 5, 6], [9, 10, 11, 12]])
@@ -128,10 +129,17 @@ def test_lookup_around_a_tree():
     np.testing.assert_array_equal(prop.tokens[1], alone.tokens[1])
     np.testing.assert_array_equal(prop.parents[1], alone.parents[1])
     policy = jspec.FixedLength(2)
-    assert policy.verify_widths_for(c) == (6,) and policy.draft_sizes(c) == (2, 4)
+    assert policy.verify_widths_for(c) == (4, 6) and policy.draft_sizes(c) == (2, 4)
+    for live, need in [([True, True], 6), ([True, False], 4), ([False, False], 0)]:
+        *_, got = policy.draft(d, None, ctx, greedy, jax.random.key(0), jnp.asarray(live))
+        assert int(got) == need, (live, got)
+    # A tree smaller than the looked-up chain: widths the other way round.
+    small = LookupFirst(inner=TopKTree(inner=Fixed(), k=2, nodes=3, width=1), look=4).caps
+    assert policy.verify_widths_for(small) == (3, 4)
     # Without look the looked-up chain is the tree's depth, the node budget unchanged.
     c0 = LookupFirst(inner=tree).caps
     assert c0.tree and c0.lookahead(2) == 6 and c0.path_len(2) == 2
+    assert policy.verify_widths_for(c0) == (2, 6)
     prop, _ = LookupFirst(inner=tree).draft(None, ctx, 2, greedy, jax.random.key(0))
     np.testing.assert_array_equal(prop.tokens[0], [7, 8, -1, -1, -1, -1])
 

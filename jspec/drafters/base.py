@@ -63,6 +63,11 @@ class Capabilities:
       `draft_tree(state, ctx, *, depth, k, width, n[, sampling, key]) -> (tokens, parents, q,
       state)` (q: the distributions children were drawn from at T > 0, else None), its state
       made with (depth - 1) * width cache slots past the capacity for the tree's entries.
+    widths: the static verify widths a proposal for chain length k can need, ascending, the
+      last its nodes (None: a chain's (k, nodes), a tree's (nodes,)): a proposer whose rows
+      fill fewer nodes in some rounds (`+ngram:look=L`: the inner chain of k, or a looked-up
+      chain shorter than a tree's node budget) names the smaller widths too, and a round
+      verifies the smallest one its live rows need.
     default_k: the chain length `generate` uses when given no `length=` (for drafters loaded by
       name, the measured best of `jspec.defaults`).
     max_batch: the largest batch at which speculation was measured faster than plain decoding
@@ -80,12 +85,20 @@ class Capabilities:
     nodes: Callable[[int], int] | None = None
     path: Callable[[int], int] | None = None
     expands: bool = False
+    widths: Callable[[int], tuple[int, ...]] | None = None
     default_k: int = 5
     max_batch: int | None = None
 
     def lookahead(self, k: int) -> int:
         """Cache slots a round writes beyond `last` for chain length k (its proposal's nodes)."""
         return k if self.nodes is None else self.nodes(k)
+
+    def verify_widths(self, k: int) -> tuple[int, ...]:
+        """The static widths (nodes after `last`) a round may verify for chain length k."""
+        if self.widths is not None:
+            return self.widths(k)
+        n = self.lookahead(k)
+        return (n,) if self.tree or n == k else (k, n)
 
     def path_len(self, k: int) -> int:
         """The most drafted tokens one round can accept for chain length k: a tree's depth k,

@@ -99,7 +99,10 @@ class LookupFirst(Proposer):
     Around a tree (`INNER+topk:...+ngram`) a looked-up row proposes its chain as the tree
     whose node t has parent t - 1 (up to max(depth, L) tokens; the proposal holds the larger
     of that and the tree's node budget), the other rows their trees; the round verifies and
-    walks both the same way, at every temperature.
+    walks both the same way, at every temperature, at the width its live rows need: the tree's
+    node budget, or the looked-up chain's length when every live row looked one up
+    (`Capabilities.widths`; a small tree's rounds then need not verify L nodes, nor a
+    looked-up chain the tree's budget).
 
     A trained drafter and the lookup miss in different places: on held-out greedy answers,
     following the n-gram continuation wherever a 2-token suffix repeats raises greedy τ of the
@@ -130,7 +133,8 @@ class LookupFirst(Proposer):
             return self.inherited_caps(may_abstain=c.may_abstain)
         return self.inherited_caps(may_abstain=c.may_abstain, tree=c.tree,
                                    nodes=functools.partial(_lookahead, c, self.look),
-                                   path=functools.partial(_path_len, c, self.look))
+                                   path=functools.partial(_path_len, c, self.look),
+                                   widths=functools.partial(_widths, c, self.look))
 
     def draft(self, state: Any, ctx: DraftContext, k: int, sampling: Sampling,
               key: jax.Array) -> tuple[Proposal, Any]:
@@ -159,6 +163,13 @@ def _lookahead(inner: Capabilities, look: int, k: int) -> int:
     """Nodes of a `+ngram:look=L` proposal for chain length k: the inner drafter's (k for a
     chain, a tree's budget) or the looked-up chain's, whichever is more."""
     return max(inner.lookahead(k), _path_len(inner, look, k))
+
+
+def _widths(inner: Capabilities, look: int, k: int) -> tuple[int, ...]:
+    """Verify widths for chain length k: the inner drafter's (a chain's k, a tree's node
+    budget) and the looked-up chain's, ascending (a round in which no live row looked one up
+    verifies the inner proposal's width, one in which every live row did the chain's)."""
+    return tuple(sorted({*inner.verify_widths(k), _path_len(inner, look, k)}))
 
 
 def _path_len(inner: Capabilities, look: int, k: int) -> int:
