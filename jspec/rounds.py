@@ -3,11 +3,11 @@
 One skeleton for every speculative round (`speculative_round`): the length policy has the
 drafter propose (`Proposal`: a chain, or a tree) -> one target forward over [last, nodes] (chain
 or tree mask) at one of the policy's static widths -> the verifier (`verify` for chains,
-`verify_tree` for trees) -> the accepted path's K/V moved to contiguous slots (trees only) ->
-the drafter observes the path's target features -> commit. A fixed K, LibraSpec's per-row
-lengths, n-gram's empty rounds (width 0: a one-token forward) and D²SD / top-k trees are all
-this round. `autoregressive_round` is the round without a drafter; `make_round` picks, and
-`run_rounds` loops it on the device.
+`verify_tree` for trees) -> the accepted path's K/V written to contiguous slots (a tree's
+taken in depth order first: `path_kv`) -> the drafter observes the path's target features ->
+commit. A fixed K, LibraSpec's per-row lengths, n-gram's empty rounds (width 0: a one-token
+forward) and D²SD / top-k trees are all this round. `autoregressive_round` is the round
+without a drafter; `make_round` picks, and `run_rounds` loops it on the device.
 """
 
 from __future__ import annotations
@@ -168,12 +168,12 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
         n, nxt, new_kv, vstate, feats, oracle, path, scored = jax.lax.switch(
             w_idx, branches, cache, state.verifier)
     with jax.named_scope("commit"):
-        new_cache = cache.write(*new_kv)
         if prop.is_chain:
             path_tok = draft
-        else:
-            new_cache = new_cache.compact_path(cache.lengths, path)
+        else:  # a tree: its path's K/V, in depth order, are what is written
+            new_kv = path_kv(new_kv, path)
             path_tok = jnp.take_along_axis(draft, jnp.maximum(path[:, 1:] - 1, 0), axis=1)
+        new_cache = cache.write(*new_kv)
         if fl:
             dstate = drafter.observe(dstate, feats, cache.lengths, n + 1)
         emitted = jnp.concatenate([path_tok, jnp.zeros_like(nxt)[:, None]], axis=1)
@@ -184,6 +184,15 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
         state = commit(state, emitted, n + 1, eos_ids, new_cache, n, scored,
                        oracle=oracle if prop.is_chain else None)
     return dataclasses.replace(state, key=key, drafter=dstate, verifier=vstate)
+
+
+def path_kv(new_kv: tuple[jax.Array, ...], path: jax.Array) -> tuple[jax.Array, ...]:
+    """The K/V of a tree's accepted path, in depth order: new_kv's arrays dtype[L, B, T, KV,
+    hd] (node t at index t) -> dtype[L, B, D+1, KV, hd], index d the node path[:, d] (i32[B,
+    D+1]). Written at slots lengths + 0..D, they commit the path (slots past the accepted
+    length are scratch, as after a chain's verify)."""
+    rows = jnp.arange(path.shape[0])[:, None]
+    return tuple(a[:, rows, path] for a in new_kv)
 
 
 def run_rounds(round_fn: Any, state: SpecState, max_rounds: int | jax.Array) -> SpecState:

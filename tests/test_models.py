@@ -508,29 +508,31 @@ def test_write_slots_matches_numpy_including_the_capacity_edge(dtype, batch, t):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_compact_path_moves_the_path_slots_exactly(dtype, batch):
-    """A tree's accepted path (nodes written at start + node) moves to start + depth, bit for
-    bit, in the buffer's storage dtype (a uint16 slot is moved as bits, not converted)."""
+def test_path_kv_writes_the_path_slots_exactly(dtype, batch):
+    """A tree's accepted path (node t's K/V at index t of a verify's new K/V) is written at
+    start + depth, bit for bit, in the buffer's storage dtype (a uint16 slot holds the bits,
+    not a conversion); the slots before start keep theirs."""
     from jspec.models.cache import KVCache
+    from jspec.rounds import path_kv
 
-    s, kv, hd, layers = 12, 2, 3, 2
+    s, kv, hd, layers, t = 12, 2, 3, 2, 7
     rng = np.random.default_rng(1)
-    vals = [rng.normal(size=(batch, kv, s, hd)).astype(np.float32) for _ in range(2 * layers)]
-    bufs = [to_storage(jnp.asarray(v, dtype), storage_dtype(dtype)) for v in vals]
-    cache = KVCache(k=tuple(bufs[:layers]), v=tuple(bufs[layers:]),
-                    lengths=jnp.zeros((batch,), jnp.int32))
+    old = [rng.normal(size=(batch, kv, s, hd)).astype(np.float32) for _ in range(2 * layers)]
+    bufs = [to_storage(jnp.asarray(v, dtype), storage_dtype(dtype)) for v in old]
     start = np.array([2, 0, 5][:batch], np.int32)
+    cache = KVCache(k=tuple(bufs[:layers]), v=tuple(bufs[layers:]),
+                    lengths=jnp.asarray(start))
+    new = [jnp.asarray(rng.normal(size=(layers, batch, t, kv, hd)), dtype) for _ in range(2)]
     path = np.array([[0, 2, 5, 6], [0, 1, 3, 4], [0, 3, 4, 6]][:batch], np.int32)
-    got = jax.jit(KVCache.compact_path)(cache, jnp.asarray(start), jnp.asarray(path))
-    for buf, v in zip(got.k + got.v, vals, strict=True):
+    got = jax.jit(lambda c, n, p: c.write(*path_kv(n, p)))(cache, tuple(new), jnp.asarray(path))
+    for i, buf in enumerate(got.k + got.v):
         assert buf.dtype == storage_dtype(dtype)
-        want = np.asarray(jnp.asarray(v, dtype).astype(jnp.float32))
-        moved = want.copy()
+        want = np.array(jnp.asarray(old[i], dtype).astype(jnp.float32))
+        src = np.asarray(new[i // layers][i % layers].astype(jnp.float32))  # [B, T, KV, hd]
         for b in range(batch):
-            for d in range(1, path.shape[1]):
-                moved[b, :, start[b] + d] = want[b, :, start[b] + path[b, d]]
-        np.testing.assert_array_equal(np.asarray(from_storage(buf, jnp.float32)), moved)
-
+            for d in range(path.shape[1]):
+                want[b, :, start[b] + d] = src[b, path[b, d]]
+        np.testing.assert_array_equal(np.asarray(from_storage(buf, jnp.float32)), want)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])

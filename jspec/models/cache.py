@@ -117,17 +117,3 @@ class KVCache:
         ks = tuple(write_slots(c, n, self.lengths) for c, n in zip(self.k, new_k, strict=False))
         vs = tuple(write_slots(c, n, self.lengths) for c, n in zip(self.v, new_v, strict=False))
         return dataclasses.replace(self, k=ks + self.k[len(ks):], v=vs + self.v[len(vs):])
-
-    def compact_path(self, start: jax.Array, path: jax.Array) -> KVCache:
-        """Move the K/V of a tree's path nodes (written at slots start + node) to contiguous
-        slots start + depth, in every layer (what commits an accepted tree path).
-
-        Args:
-          start: i32[B] the slot of node 0 (the committed length before the round).
-          path: i32[B, D+1] node at each depth (path[:, 0] = 0 stays in place).
-        """
-        from_ = start[:, None] + path[:, 1:]  # [B, D]
-        rows = jnp.arange(path.shape[0])[:, None]
-        ks = tuple(write_slots(c, c[rows, :, from_], start + 1) for c in self.k)
-        vs = tuple(write_slots(c, c[rows, :, from_], start + 1) for c in self.v)
-        return dataclasses.replace(self, k=ks, v=vs)
