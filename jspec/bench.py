@@ -193,41 +193,48 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[tuple, dict[str, Any]] = {}
     bar = tqdm(total=len(configs) * args.repeats * len(enc), desc="bench", unit="prompt",
                disable=tqdm is None or args.quiet) if tqdm else None
+    # Every configuration compiles first; then each prompt is decoded by every configuration in
+    # turn (the order rotating from prompt to prompt), so the ratios between rows come from
+    # calls seconds apart, not from passes minutes apart on a host whose speed drifts.
+    call_kw: dict[tuple, tuple[Any, dict[str, Any]]] = {}
+    for cfg in configs:
+        temp, dname, k, vname = cfg
+        kw: dict[str, Any] = dict(max_new_tokens=args.new_tokens,
+                                  sampling=jspec.Sampling(temperature=temp))
+        run_model = ref_model if dname == AR_FLOAT32 else model
+        if dname not in (None, AR_FLOAT32):
+            length = policies[k] if isinstance(k, str) else jspec.FixedLength(k)
+            verifier = parsed[vname] if vname in parsed else Lossless()
+            kw.update(drafter=loaded[dname], length=length, verifier=verifier)
+        call_kw[cfg] = (run_model, kw)
+        results[cfg] = {"tps": [], "stats": None, "by_set": {p: {"tps": []} for p in sets}}
+        jax.block_until_ready(jspec.generate(run_model, padded[:1], lengths[:1], **kw).tokens)
     for rep in range(args.repeats):
-        for temp, dname, k, vname in configs:
-            kw: dict[str, Any] = dict(max_new_tokens=args.new_tokens,
-                                      sampling=jspec.Sampling(temperature=temp))
-            run_model = ref_model if dname == AR_FLOAT32 else model
-            if dname not in (None, AR_FLOAT32):
-                length = policies[k] if isinstance(k, str) else jspec.FixedLength(k)
-                verifier = parsed[vname] if vname in parsed else Lossless()
-                kw.update(drafter=loaded[dname], length=length, verifier=verifier)
-            res = results.setdefault((temp, dname, k, vname),
-                                     {"tps": [], "stats": None,
-                                      "by_set": {p: {"tps": []} for p in sets}})
-            if rep == 0:  # compile outside the timed region
-                jax.block_until_ready(
-                    jspec.generate(run_model, padded[:1], lengths[:1], **kw).tokens)
-            tot_tokens, tot_time = 0, 0.0
-            agg = None
-            per_set = {p: [0, 0.0, 0, 0] for p in sets}  # tokens, seconds, rounds, emitted
-            for i in range(len(enc)):
+        # per configuration: tokens, seconds, summed stats, per set [tokens, seconds, rounds,
+        # emitted]
+        acc: dict[tuple, list[Any]] = {cfg: [0, 0.0, None, {p: [0, 0.0, 0, 0] for p in sets}]
+                                       for cfg in configs}
+        for i in range(len(enc)):
+            for j in range(len(configs)):
+                cfg = configs[(i + j) % len(configs)]
+                run_model, kw = call_kw[cfg]
+                a = acc[cfg]
                 key = jax.random.key(1000 * rep + i)
                 t0 = time.perf_counter()
                 out = jspec.generate(run_model, padded[i:i + 1], lengths[i:i + 1], key=key,
                                      **kw)
                 n = int(out.lengths[0])
                 dt = time.perf_counter() - t0
-                tot_time += dt
-                tot_tokens += n
+                a[0] += n
+                a[1] += dt
                 st = jax.device_get(out.stats)
-                ps = per_set[set_of[i]]
+                ps = a[3][set_of[i]]
                 ps[0] += n
                 ps[1] += dt
                 ps[2] += int(st.rounds[0])
                 ps[3] += int(st.emitted[0])
                 if rep == 0:
-                    outputs.setdefault((temp, dname, k, vname), []).append(
+                    outputs.setdefault(cfg, []).append(
                         [int(t) for t in np.asarray(out.tokens[0, :n])])
                 vs = jax.device_get(out.verifier)
                 tv = (float(vs.tv_sum[0]), int(vs.positions[0])) if hasattr(vs, "tv_sum") \
@@ -235,9 +242,11 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
                 vec = [int(st.rounds[0]), int(st.emitted[0]), int(st.accepted[0]),
                        int(st.drafted[0]), int(st.oracle[0]), int(st.oracle_gap[0]), *tv,
                        *map(int, st.accepted_at[0])]
-                agg = vec if agg is None else [a + b for a, b in zip(agg, vec, strict=True)]
+                a[2] = vec if a[2] is None else [x + y for x, y in zip(a[2], vec, strict=True)]
                 if bar:
                     bar.update(1)
+        for cfg, (tot_tokens, tot_time, agg, per_set) in acc.items():
+            res = results[cfg]
             res["tps"].append(tot_tokens / tot_time)
             for p, (n_tok, secs, n_rounds, n_emit) in per_set.items():
                 res["by_set"][p]["tps"].append(n_tok / secs)
@@ -309,7 +318,8 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
                       f"{tps / ar_best[0.0]:.2f}x", "-", "-", "-", "-", "-", "-", "-"])
     print_table(f"Speculative decoding on {args.prompts} ({len(enc)} prompts, batch 1, "
                  f"target {args.dtype}, "
-                 f"{args.new_tokens} new tokens, median of {args.repeats} sweeps); "
+                 f"{args.new_tokens} new tokens, median of {args.repeats} sweeps, each prompt's "
+                 f"configurations back to back); "
                  f"rho_8 = t(8)/t(1) = {cost['c'][8]:.2f}"
                  + "".join(f"; {n}: tree of {c['nodes']} nodes, c = t(tree)/t(1) = {c['c']:.2f}"
                            for n, c in tree_c.items()),

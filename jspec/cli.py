@@ -203,7 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="autoregressive tokens/s (float32, bfloat16), the verification cost curve "
                         "c(K), and HF transformers on the same weights when torch is installed")
     b.add_argument("--new-tokens", type=int, default=128, help="tokens generated per measurement")
-    b.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
+    b.add_argument("--repeats", type=int, default=3,
+                   help="timed repeats (median reported); within one, each prompt is decoded by "
+                        "every configuration back to back, the order rotating per prompt")
     b.add_argument("--fill", type=int, default=400, help="cache fill for the c(K) curve")
     b.add_argument("--no-peer", action="store_true", help="skip HF transformers even if installed")
     b.add_argument("--no-bf16", action="store_true", help="skip the bfloat16 rows")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 import pytest
 from conftest import tiny_model
 
@@ -64,4 +65,40 @@ def test_bench_splits_rows_by_prompt_set(monkeypatch, capsys):
     assert all(1.0 <= t <= 3.0 for t in taus)
     for row in res["rows"]:
         assert sum(b["new_tokens"] for b in row["by_set"].values()) == row["new_tokens"]
+    jax.clear_caches()
+
+
+def test_bench_decodes_each_prompt_with_every_configuration_back_to_back(monkeypatch):
+    """Timing order: every configuration compiles first, then prompt i is decoded by every
+    configuration in turn, starting at configuration i mod C (rotating), before prompt i + 1
+    — so rows are compared on calls seconds apart (a config-by-config pass fails this)."""
+    model = dataclasses.replace(tiny_model(), tokenizer=_ByteTokenizer())
+    monkeypatch.setattr(bench.jspec, "load_model", lambda *a, **k: model)
+    monkeypatch.setattr(bench, "cost_curve", lambda *a, **k: {"c": {1: 1.0, 8: 1.5}})
+    calls = []
+    real = bench.jspec.generate
+
+    def spy(m, ids, lens, **kw):
+        d = kw.get("drafter")
+        key = kw.get("key")  # the bench's key of prompt i: jax.random.key(i) (repeat 0)
+        calls.append((None if d is None else kw["length"].k,
+                      None if key is None else tuple(np.asarray(jax.random.key_data(key))),
+                      key is not None))
+        return real(m, ids, lens, **kw)
+
+    monkeypatch.setattr(bench.jspec, "generate", spy)
+    args = cli.build_parser().parse_args([
+        "bench", "--prompts", "humaneval:0-3", "--drafters", "ngram@2,ngram@1",
+        "--new-tokens", "4", "--repeats", "1", "--temperatures", "0", "--no-peer", "--quiet"])
+    bench.speculative(args)
+    configs = [None, 2, 1]  # autoregressive, ngram@2, ngram@1
+    assert [c for c, _, timed in calls if not timed] == configs  # the compiles, first
+    timed = [(c, n) for c, n, t in calls if t]
+    prompts = [p for _, p in timed[::3]]
+    assert len(timed) == 9
+    assert prompts == [tuple(np.asarray(jax.random.key_data(jax.random.key(i)))) for i in range(3)]
+    for i in range(3):
+        block = timed[3 * i:3 * i + 3]
+        assert [c for c, _ in block] == [configs[(i + j) % 3] for j in range(3)], (i, block)
+        assert {p for _, p in block} == {prompts[i]}
     jax.clear_caches()
