@@ -4,7 +4,9 @@ On a shared host whose speed drifts over minutes, a bench that times one configu
 all prompts and then the next compares rows measured at different times. Here every prompt is
 decoded by every configuration in turn (the order rotating from prompt to prompt), once to
 warm up and then once timed, so each configuration's tokens/s and its ratio to plain decoding
-come from calls seconds apart. Batch 1, bfloat16 target, lossless.
+come from calls seconds apart. Batch 1, bfloat16 target, lossless. (`python -m jspec bench`
+now times in the same order, compiling once per configuration instead of warming up on every
+prompt; this script is what BENCHMARKS' paired tables of 2026-12-06 evening ran.)
 
     python scripts/paired_speed.py [--temperatures 0,1] [--prompts P] SPEC@K [SPEC@K ...]
     e.g. python scripts/paired_speed.py smollm2-135m-eagle3+ngram:look=4@2 \
