@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -253,7 +254,7 @@ def test_init_continues_from_a_trained_drafter(tiny_data):
     src = first / "eagle3.safetensors"
     out = tmp / "init-second"
     r = _run(_train_args(tmp, "eagle3", out, 2, ["--vat", "--init", str(src), "--eval-every",
-                                                 "2", "--ffn", "16"]))
+                                                 "2"]))
     assert r.returncode == 0, r.stderr[-3000:]
     a = [json.loads(x) for x in (first / "log.jsonl").read_text().splitlines()]
     b = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
@@ -261,7 +262,7 @@ def test_init_continues_from_a_trained_drafter(tiny_data):
     np.testing.assert_allclose(b[0]["heldout_loss"], a[-1]["heldout_loss"], rtol=1e-5)
     cfg0, p0, v0 = load_drafter_file(src)
     cfg1, p1, v1 = load_drafter_file(out / "eagle3.safetensors")
-    assert cfg1 == cfg0 and len(v1) == 64  # the init's shape wins over --ffn
+    assert cfg1 == cfg0 and len(v1) == 64  # the init's shape
     np.testing.assert_array_equal(v1, v0)
     for k in ("feat_mean", "feat_std"):
         np.testing.assert_allclose(np.asarray(getattr(p1, k)), np.asarray(getattr(p0, k)),
@@ -274,12 +275,56 @@ def test_init_continues_from_a_trained_drafter(tiny_data):
     cfg2, _, v2 = load_drafter_file(grown / "eagle3.safetensors")
     assert cfg2.draft_vocab == len(v2) == 80 and set(v0.tolist()) <= set(v2.tolist())
     np.testing.assert_array_equal(np.load(grown / "vocab.npy"), v2)
-    for kind, extra, msg in (("eagle3", ["--init", str(src)], "pass --vat"),
-                             ("dflash", ["--vat", "--init", str(src)], "not dflash"),
-                             ("eagle3", ["--vat", "--init", str(src), "--draft-vocab", "32"],
-                              "can only grow")):
-        r = _run(_train_args(tmp, kind, tmp / f"init-bad-{kind}-{msg[-4:]}", 1, extra))
+    wide = tmp / "init-wide"  # a larger --ffn grows the MLP and starts as the same function
+    r = _run(_train_args(tmp, "eagle3", wide, 1, ["--vat", "--init", str(src), "--eval-every",
+                                                  "1", "--ffn", "48"]))
+    assert r.returncode == 0, r.stderr[-3000:]
+    c = [json.loads(x) for x in (wide / "log.jsonl").read_text().splitlines()]
+    np.testing.assert_allclose(c[0]["heldout_loss"], a[-1]["heldout_loss"], rtol=1e-5)
+    cfg3, p3, _ = load_drafter_file(wide / "eagle3.safetensors")
+    assert cfg3 == dataclasses.replace(cfg0, ffn_size=48)
+    assert p3.layer.w_gate.shape == (cfg0.hidden_size, 48) and p3.layer.w_down.shape[0] == 48
+    assert np.abs(np.asarray(p3.layer.w_down[32:], np.float32)).max() > 0  # the new units train
+    bad = (("eagle3", ["--init", str(src)], "pass --vat"),
+           ("dflash", ["--vat", "--init", str(src)], "not dflash"),
+           ("eagle3", ["--vat", "--init", str(src), "--draft-vocab", "32"], "can only grow"),
+           ("eagle3", ["--vat", "--init", str(src), "--ffn", "16"], "can only grow"))
+    for i, (kind, extra, msg) in enumerate(bad):
+        r = _run(_train_args(tmp, kind, tmp / f"init-bad-{i}", 1, extra))
         assert r.returncode != 0 and msg in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_grow_ffn_keeps_the_function(kind):
+    """`grow_ffn`: every layer's MLP on random inputs gives the same output after growing 32 ->
+    80 units (new down rows zero, new gate/up columns not), and the gradient reaches the new
+    down rows; the same width is the identity; a narrower width is refused."""
+    from jspec.drafters import dflash, eagle3
+    from jspec.drafters.trained import DrafterConfig
+    from jspec.models.blocks import mlp
+    from train.drafters import grow_ffn
+
+    cfg = DrafterConfig(kind=kind, hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8,
+                        ffn_size=32, num_layers=1 if kind == "eagle3" else 2,
+                        feature_layers=(0, 1, 2), draft_vocab=8, target_vocab=8,
+                        rope_theta=1e4, rms_eps=1e-6, block=4, target="tiny", vat=False)
+    init = eagle3.init_params if kind == "eagle3" else dflash.init_params
+    p0 = init(cfg, jax.random.key(0))
+    cfg1, p1 = grow_ffn(cfg, p0, 80, jax.random.key(1))
+    assert cfg1.ffn_size == 80 and cfg1 == dataclasses.replace(cfg, ffn_size=80)
+    layers = (lambda p: [p.layer]) if kind == "eagle3" else (lambda p: list(p.layers))
+    x = jax.random.normal(jax.random.key(2), (3, 16))
+    for a, b in zip(layers(p0), layers(p1), strict=True):
+        assert b.w_up.shape == (16, 80) and b.w_down.shape == (80, 16)
+        np.testing.assert_allclose(mlp(b, x, 1e-6), mlp(a, x, 1e-6), rtol=1e-6, atol=1e-6)
+        assert np.any(np.asarray(b.w_gate[:, 32:]) != 0)
+        g = jax.grad(lambda w, b=b: mlp(dataclasses.replace(b, w_down=w), x, 1e-6).sum())(
+            b.w_down)
+        assert np.abs(np.asarray(g[32:])).max() > 0
+    same = grow_ffn(cfg, p0, 32, jax.random.key(1))
+    assert same[0] is cfg and same[1] is p0
+    with pytest.raises(SystemExit, match="can only grow"):
+        grow_ffn(cfg, p0, 16, jax.random.key(1))
 
 
 def test_draft_vocab_grows_a_kept_vocabulary_by_frequency():

@@ -38,11 +38,13 @@ from jspec.drafters import dflash, eagle3
 from jspec.drafters.loading import drafter_file
 from jspec.drafters.trained import (
     DrafterConfig,
+    Eagle3Params,
     Frozen,
     Params,
     cast_matrices,
     check_target,
     draft_logits,
+    init_dense,
     load_drafter_file,
     save_drafter,
     split_frozen,
@@ -293,7 +295,8 @@ def drafter_config(args: argparse.Namespace, target_config: Any,
     c = target_config
     return DrafterConfig(
         kind=args.kind, hidden_size=c.hidden_size, num_heads=c.num_heads,
-        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, ffn_size=args.ffn,
+        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+        ffn_size=args.ffn or RECIPES[args.kind].ffn,
         draft_vocab=args.draft_vocab or DEFAULT_DRAFT_VOCAB, target_vocab=c.vocab_size,
         rope_theta=c.rope_theta,
         rms_eps=c.rms_eps, target=args.model, vat=bool(args.vat or args.vat_head),
@@ -303,8 +306,9 @@ def drafter_config(args: argparse.Namespace, target_config: Any,
 def init_from(args: argparse.Namespace, target_config: Any
               ) -> tuple[DrafterConfig, Params, np.ndarray]:
     """(config, parameters, vocabulary) of the `--init` drafter a run continues from: its shape,
-    vocabulary and feature statistics are kept (the shape flags are then not used); the
-    optimizer and the learning-rate schedule start afresh."""
+    vocabulary and feature statistics are kept (of the shape flags only a larger --draft-vocab
+    or --ffn is used: it grows the drafter, see `grow_ffn`); the optimizer and the
+    learning-rate schedule start afresh."""
 
     try:
         cfg, params, vocab = load_drafter_file(drafter_file(args.init))
@@ -318,6 +322,41 @@ def init_from(args: argparse.Namespace, target_config: Any
                          f"{'with' if cfg.vat else 'without'} the VAT head: "
                          f"{'pass' if cfg.vat else 'drop'} --vat / --vat-head")
     return cfg, params, vocab
+
+
+def grow_ffn(cfg: DrafterConfig, params: Params, ffn: int, key: jax.Array
+             ) -> tuple[DrafterConfig, Params]:
+    """The drafter with every layer's MLP widened from cfg.ffn_size to `ffn` units, computing
+    the same function: the new units' gate and up columns are drawn as a fresh layer's, their
+    down-projection rows are zero (so they add nothing until trained, and their gradient is
+    not zero). `ffn` == cfg.ffn_size returns the drafter as it is."""
+
+    old = cfg.ffn_size
+    if ffn < old:
+        raise SystemExit(f"error: --ffn {ffn} is narrower than the {old} units of the --init "
+                         "drafter: it can only grow")
+    if ffn == old:
+        return cfg, params
+    d = cfg.hidden_size
+
+    def widen(layer: Any, k: jax.Array) -> Any:  # w_gate/w_up [D, F], w_down [F, D]
+        kg, ku = jax.random.split(k)
+        return dataclasses.replace(
+            layer,
+            w_gate=jnp.concatenate([jnp.asarray(layer.w_gate, jnp.float32),
+                                    init_dense(kg, d, ffn - old)], axis=1),
+            w_up=jnp.concatenate([jnp.asarray(layer.w_up, jnp.float32),
+                                  init_dense(ku, d, ffn - old)], axis=1),
+            w_down=jnp.concatenate([jnp.asarray(layer.w_down, jnp.float32),
+                                    jnp.zeros((ffn - old, d), jnp.float32)], axis=0))
+
+    if isinstance(params, Eagle3Params):
+        params = dataclasses.replace(params, layer=widen(params.layer, key))
+    else:
+        keys = jax.random.split(key, len(params.layers))
+        params = dataclasses.replace(params, layers=tuple(
+            widen(lay, k) for lay, k in zip(params.layers, keys, strict=True)))
+    return dataclasses.replace(cfg, ffn_size=ffn), params
 
 
 def positions(args: argparse.Namespace, kind: str, rng: np.random.Generator, lens: np.ndarray,
@@ -536,6 +575,8 @@ def run(args: argparse.Namespace) -> int:
 
     if init is not None:  # its parameters and the feature statistics it was trained with
         params, stats = split_frozen(init[1])
+        cfg, params = grow_ffn(cfg, params, args.ffn or cfg.ffn_size,
+                               jax.random.key(args.seed))
     else:
         stats = feature_stats(rows, feat_idx, args.seed)
         params, _ = split_frozen(RECIPES[cfg.kind].init_params(cfg, jax.random.key(args.seed)))
@@ -604,12 +645,15 @@ def add_parsers(sub: Any) -> None:
                        help="draft vocabulary: the most frequent response tokens (default "
                             f"{DEFAULT_DRAFT_VOCAB}; with --init the file's, and a larger N grows "
                             "it: its tokens stay, the next most frequent are added)")
-        p.add_argument("--ffn", type=int, default=RECIPES[kind].ffn, help="drafter MLP width")
+        p.add_argument("--ffn", type=int, default=None,
+                       help=f"drafter MLP width (default {RECIPES[kind].ffn}; with --init the "
+                            "file's, and a larger N grows it: the new units start with zero "
+                            "output weights, so the grown drafter starts as the file's)")
         p.add_argument("--init", default="",
                        help="continue from this drafter, a file or a shipped name (e.g. "
                             "smollm2-135m-eagle3), with its shape, vocabulary and feature "
                             "statistics and a fresh optimizer and schedule: more steps or more "
-                            "data on a trained drafter")
+                            "data on a trained drafter (--draft-vocab and --ffn can grow it)")
         RECIPES[kind].add_args(p)
         p.add_argument("--vat", action="store_true",
                        help="verification-aware training: head + adaptive weighting")
