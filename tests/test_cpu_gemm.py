@@ -18,6 +18,9 @@ from jspec.models.blocks import matmul
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")
 
 DTYPES = {"float32": (jnp.float32, 2e-5), "bfloat16": (jnp.bfloat16, 2e-5)}
+# (weight dtype, x dtype): bfloat16 x bfloat16 takes the VDPBF16PS path where it is built.
+PAIRS = {"float32": (jnp.float32, jnp.float32), "bfloat16": (jnp.bfloat16, jnp.float32),
+         "bfloat16-x": (jnp.bfloat16, jnp.bfloat16)}
 
 
 def _rand(shape, dtype, seed):
@@ -35,19 +38,22 @@ def _built():
         pytest.skip("no C++ compiler here: the kernel falls back to XLA (tested below)")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", PAIRS)
 @pytest.mark.parametrize("nt", [False, True])
 @pytest.mark.parametrize("m, d, f", [(1, 64, 48), (2, 576, 192), (3, 37, 35), (5, 8, 16),
-                                     (7, 100, 33), (16, 64, 300), (17, 12, 5), (6, 3, 1)])
+                                     (7, 100, 33), (16, 64, 300), (17, 12, 5), (6, 3, 1),
+                                     (9, 70, 96), (4, 2, 40)])
 def test_equals_xla(dtype, nt, m, d, f):
-    """Every loop tail: D not a multiple of 4 / 8, F not a multiple of 16 / 4, M past the 2-row
-    tile. The reference is the float64 product of the same (bfloat16-rounded) values."""
-    dt, tol = DTYPES[dtype]
-    x = _rand((m, d), jnp.float32, 1)
+    """Every loop tail: D not a multiple of 4 / 8 / 32, F not a multiple of 16 / 32 / 4, M
+    past the 2-row tile and the 8-row group of the VDPBF16PS path (`bfloat16-x`: both operands
+    bfloat16). The reference is the float64 product of the same (bfloat16-rounded) values."""
+    dt, xdt = PAIRS[dtype]
+    tol = 2e-5
+    x = _rand((m, d), xdt, 1)
     w = _rand((f, d) if nt else (d, f), dt, 2)
     got = jax.jit(cpu_gemm.small_gemm, static_argnums=2)(x, w, nt)
     wf = np.asarray(w.astype(jnp.float32), np.float64)
-    want = np.asarray(x, np.float64) @ (wf.T if nt else wf)
+    want = np.asarray(x.astype(jnp.float32), np.float64) @ (wf.T if nt else wf)
     assert got.shape == (m, f) and got.dtype == jnp.float32
     assert _rel(got, want) < tol
 
@@ -113,7 +119,14 @@ def test_when_matmul_uses_it(monkeypatch):
     assert cpu_gemm.use_for(17, f32) and cpu_gemm.use_for(cpu_gemm.MAX_ROWS, f32)  # 17-node trees
     assert not cpu_gemm.use_for(cpu_gemm.MAX_ROWS + 1, f32) and not cpu_gemm.use_for(2, jnp.float16)
     monkeypatch.setattr(cpu_gemm, "machine_class", lambda: "cpu-bf16")
-    assert not cpu_gemm.use_for(4, f32)  # not measured there: XLA
+    assert not cpu_gemm.use_for(4, f32, f32)  # XLA's GEMM there
+    assert not cpu_gemm.use_for(4, bf16, f32)  # float32 rows: XLA
+    dot = cpu_gemm.bf16_dot()  # bfloat16 x bfloat16 takes VDPBF16PS where it is built
+    assert cpu_gemm.use_for(1, bf16, bf16) == dot
+    assert cpu_gemm.use_for(cpu_gemm.MAX_ROWS_BF16, bf16, bf16) == dot
+    assert not cpu_gemm.use_for(cpu_gemm.MAX_ROWS_BF16 + 1, bf16, bf16)  # 17-node trees: XLA
+    monkeypatch.setattr(cpu_gemm, "machine_class", lambda: "gpu")
+    assert not cpu_gemm.use_for(4, bf16, bf16)
     monkeypatch.setenv(cpu_gemm.ENV, "1")
     assert cpu_gemm.use_for(4, f32)
     monkeypatch.setenv(cpu_gemm.ENV, "0")
@@ -157,14 +170,18 @@ def test_a_failed_build_says_why(tmp_path, monkeypatch):
     assert not (tmp_path / "out.so").exists() and list(tmp_path.iterdir()) == [bad]
 
 
-@pytest.mark.parametrize("name", ["llama_tied_gqa2", "llama_untied_mha"])
-def test_forward_and_greedy_decoding_with_the_kernel_equal_xla(name, monkeypatch):
+@pytest.mark.parametrize("name, dtype, tol", [("llama_tied_gqa2", "float32", 1e-5),
+                                              ("llama_untied_mha", "float32", 1e-5),
+                                              ("llama_tied_gqa2", "bfloat16", 1e-3)])
+def test_forward_and_greedy_decoding_with_the_kernel_equal_xla(name, dtype, tol, monkeypatch):
     """A verify-sized forward (T = 4: every projection and the LM head through the kernel,
-    tied and untied) equals XLA's to float32 rounding, and greedy speculative decoding with the
-    kernel commits exactly the tokens of greedy decoding without it."""
+    tied and untied) equals XLA's to float32 rounding (bfloat16: to the rounding of bfloat16
+    activations between the layers; the VDPBF16PS path where it is built), and greedy
+    speculative decoding with the kernel commits exactly the tokens of greedy decoding without
+    it."""
     from conftest import tiny_model
 
-    model = tiny_model(name)
+    model = tiny_model(name).astype(dtype)
     ids = np.asarray([[5, 9, 13, 2, 7, 11]], np.int32)
     drafter = jspec.load_drafter("ngram", target=model)
 
@@ -185,5 +202,5 @@ def test_forward_and_greedy_decoding_with_the_kernel_equal_xla(name, monkeypatch
     ker, ker_tokens, ker_jaxpr = run("1")
     xla, xla_tokens, xla_jaxpr = run("0")
     assert "ffi_call" in ker_jaxpr and "ffi_call" not in xla_jaxpr
-    assert _rel(ker, xla) < 1e-5
+    assert _rel(ker, xla) < tol
     np.testing.assert_array_equal(ker_tokens, xla_tokens)

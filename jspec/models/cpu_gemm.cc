@@ -13,7 +13,9 @@
 // thread pool; a product of up to a few rows then costs about what reading the weights costs.
 //
 // Portable: GCC/Clang vector extensions (8 floats), compiled for the host (-march=native) on
-// first use; AVX2+FMA on x86-64, NEON on Arm. Leading (batch) dims: x and w have the same rank
+// first use; AVX2+FMA on x86-64, NEON on Arm. Where the compiler targets AVX512-BF16 and both
+// operands are bfloat16 (the caller says x is: attribute xbf16), the products take VDPBF16PS
+// instead (pairs of bfloat16 products into float32 lanes, 32 weights an instruction). Leading (batch) dims: x and w have the same rank
 // and each leading dim is equal or 1 in one of them (broadcast), which is what vmap's
 // "expand_dims" method hands over (weights shared by every batch entry have dims of 1).
 #include <algorithm>
@@ -23,7 +25,14 @@
 #include <memory>
 #include <thread>
 
+#include <vector>
+
 #include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define JSPEC_BF16DOT 1
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -147,6 +156,155 @@ void nt_rows(const float* x, const W* w, float* out, int64_t M, int64_t D, int64
     for (int64_t m = 0; m < M; ++m) nt_tile<1, 1>(x + m * D, w, out + m * F, D, F, f);
 }
 
+#ifdef JSPEC_BF16DOT
+// ------------------------------------------------------------------- bfloat16 x bfloat16
+// Both operands bfloat16 (x's rows as uint16 bits), float32 accumulation with VDPBF16PS:
+// lane i of the accumulator += a[2i] * b[2i] + a[2i+1] * b[2i+1].
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Indices that interleave two vectors of 32 bfloat16 (a = weight row k, b = row k+1) into
+// (a[i], b[i]) pairs: kLo for columns 0-15, kHi for 16-31.
+inline __m512i interleave_index(int base) {
+  alignas(64) uint16_t idx[32];
+  for (int i = 0; i < 16; ++i) {
+    idx[2 * i] = uint16_t(base + i);
+    idx[2 * i + 1] = uint16_t(32 + base + i);
+  }
+  return _mm512_load_si512(idx);
+}
+
+inline __m512 dp(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+
+// out[0:R, j:j+32] (+)= x[0:R, k0:k1] @ w[k0:k1, j:j+32] for R <= 8 rows, the 2R sums in
+// registers: four weight rows at a time, rows k and k+1 (k+2 and k+3) interleaved into pairs
+// (one permute per 32 weights), each row of x a broadcast pair. `first`: start from zero.
+template <int R>
+inline void nn_group_dp(const uint16_t* x, int64_t D, const uint16_t* w, int64_t F, float* out,
+                        int64_t j, int64_t k0, int64_t k1, bool first, __m512i lo, __m512i hi) {
+  __m512 s0[R], s1[R];
+  for (int r = 0; r < R; ++r) {
+    s0[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + r * F + j);
+    s1[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + r * F + j + 16);
+  }
+  for (int64_t k = k0; k < k1; k += 4) {
+    const uint16_t* r0 = w + k * F + j;
+    const __m512i a0 = _mm512_loadu_si512(r0);
+    const __m512i a1 = _mm512_loadu_si512(r0 + F);
+    const __m512i a2 = _mm512_loadu_si512(r0 + 2 * F);
+    const __m512i a3 = _mm512_loadu_si512(r0 + 3 * F);
+    const __m512i p01l = _mm512_permutex2var_epi16(a0, lo, a1);
+    const __m512i p01h = _mm512_permutex2var_epi16(a0, hi, a1);
+    const __m512i p23l = _mm512_permutex2var_epi16(a2, lo, a3);
+    const __m512i p23h = _mm512_permutex2var_epi16(a2, hi, a3);
+    for (int r = 0; r < R; ++r) {
+      uint32_t x01, x23;
+      std::memcpy(&x01, x + r * D + k, 4);
+      std::memcpy(&x23, x + r * D + k + 2, 4);
+      const __m512i v01 = _mm512_set1_epi32(int(x01)), v23 = _mm512_set1_epi32(int(x23));
+      s0[r] = dp(dp(s0[r], p01l, v01), p23l, v23);
+      s1[r] = dp(dp(s1[r], p01h, v01), p23h, v23);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(out + r * F + j, s0[r]);
+    _mm512_storeu_ps(out + r * F + j + 16, s1[r]);
+  }
+}
+
+template <int R>
+void nn_rows_dp(const uint16_t* x, const uint16_t* w, float* out, int64_t D, int64_t F,
+                int64_t c0, int64_t bv, int64_t d4) {
+  // Blocks of kRows weight rows: the block's rows are read as kRows sequential streams,
+  // column group by column group, the sums staying in registers within a block.
+  constexpr int64_t kRows = 16;
+  const __m512i lo = interleave_index(0), hi = interleave_index(16);
+  for (int64_t k0 = 0; k0 < d4; k0 += kRows) {
+    const int64_t k1 = std::min(d4, k0 + kRows);
+    for (int64_t j = c0; j < bv; j += 32)
+      nn_group_dp<R>(x, D, w, F, out, j, k0, k1, k0 == 0, lo, hi);
+  }
+}
+
+// Columns [c0, c1) of out[M, F] = x[M, D] @ w[D, F], rows of x eight at a time.
+void nn_columns_dp(const uint16_t* x, const uint16_t* w, float* out, int64_t M, int64_t D,
+                   int64_t F, int64_t c0, int64_t c1) {
+  const int64_t bv = c0 + (c1 - c0) / 32 * 32;  // end of the 32-column part
+  const int64_t d4 = D / 4 * 4;
+  if (d4 == 0)
+    for (int64_t m = 0; m < M; ++m) std::memset(out + m * F + c0, 0, (bv - c0) * sizeof(float));
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    const uint16_t* xm = x + m0 * D;
+    float* om = out + m0 * F;
+    switch (std::min<int64_t>(8, M - m0)) {
+      case 1: nn_rows_dp<1>(xm, w, om, D, F, c0, bv, d4); break;
+      case 2: nn_rows_dp<2>(xm, w, om, D, F, c0, bv, d4); break;
+      case 3: nn_rows_dp<3>(xm, w, om, D, F, c0, bv, d4); break;
+      case 4: nn_rows_dp<4>(xm, w, om, D, F, c0, bv, d4); break;
+      case 5: nn_rows_dp<5>(xm, w, om, D, F, c0, bv, d4); break;
+      case 6: nn_rows_dp<6>(xm, w, om, D, F, c0, bv, d4); break;
+      case 7: nn_rows_dp<7>(xm, w, om, D, F, c0, bv, d4); break;
+      default: nn_rows_dp<8>(xm, w, om, D, F, c0, bv, d4); break;
+    }
+  }
+  // The rest: weight rows past the last multiple of 4 (32-column part), then the columns
+  // past the last multiple of 32 (every row), in scalar code.
+  for (int64_t k = d4; k < D; ++k)
+    for (int64_t j = c0; j < bv; ++j)
+      for (int64_t m = 0; m < M; ++m)
+        out[m * F + j] += bf16_to_f32(x[m * D + k]) * bf16_to_f32(w[k * F + j]);
+  for (int64_t j = bv; j < c1; ++j)
+    for (int64_t m = 0; m < M; ++m) {
+      float s = 0.f;
+      for (int64_t k = 0; k < D; ++k) s += bf16_to_f32(x[m * D + k]) * bf16_to_f32(w[k * F + j]);
+      out[m * F + j] = s;
+    }
+}
+
+// R rows x C weight rows of dot products over D (contiguous in both), sums in registers.
+template <int R, int C>
+inline void nt_tile_dp(const uint16_t* x, const uint16_t* w, float* out, int64_t D, int64_t F,
+                       int64_t f) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= D; k += 32) {
+    __m512i wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + (f + c) * D + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_loadu_si512(x + r * D + k);
+      for (int c = 0; c < C; ++c) acc[r][c] = dp(acc[r][c], xv, wv[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      float s = _mm512_reduce_add_ps(acc[r][c]);
+      for (int64_t kk = k; kk < D; ++kk)
+        s += bf16_to_f32(x[r * D + kk]) * bf16_to_f32(w[(f + c) * D + kk]);
+      out[r * F + f + c] = s;
+    }
+}
+
+void nt_rows_dp(const uint16_t* x, const uint16_t* w, float* out, int64_t M, int64_t D,
+                int64_t F, int64_t c0, int64_t c1) {
+  int64_t f = c0;
+  for (; f + 4 <= c1; f += 4) {
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2) nt_tile_dp<2, 4>(x + m * D, w, out + m * F, D, F, f);
+    if (m < M) nt_tile_dp<1, 4>(x + m * D, w, out + m * F, D, F, f);
+  }
+  for (; f < c1; ++f)
+    for (int64_t m = 0; m < M; ++m) nt_tile_dp<1, 1>(x + m * D, w, out + m * F, D, F, f);
+}
+#endif  // JSPEC_BF16DOT
+
 // ------------------------------------------------------------------------------------- jobs
 // One call's work, split into column chunks that the calling thread and the pool's threads
 // claim from a counter. The caller claims chunks too and never waits for a helper to *start*
@@ -158,8 +316,9 @@ struct Job {
   std::atomic<int64_t> done{0};
   int64_t chunks = 0, per_chunk = 0, per_batch = 0;
   int64_t M = 0, D = 0, F = 0;
-  bool nt = false, bf16 = false;
+  bool nt = false, bf16 = false, dot = false;  // dot: both bfloat16, VDPBF16PS
   const float* x = nullptr;
+  std::vector<uint16_t> xb;  // x's rows as bfloat16 bits (dot only)
   const void* w = nullptr;
   float* out = nullptr;
   // Leading (batch) dims of the output and each operand's element strides along them (0
@@ -178,6 +337,18 @@ struct Job {
     const float* xb = x + xo;
     const W* wb = static_cast<const W*>(w) + wo;
     float* ob = out + b * M * F;
+#ifdef JSPEC_BF16DOT
+    if constexpr (sizeof(W) == 2) {
+      if (dot) {
+        const uint16_t* xh = this->xb.data() + xo;
+        if (nt)
+          nt_rows_dp(xh, wb, ob, M, D, F, c0, c1);
+        else
+          nn_columns_dp(xh, wb, ob, M, D, F, c0, c1);
+        return;
+      }
+    }
+#endif
     if (nt)
       nt_rows(xb, wb, ob, M, D, F, c0, c1);
     else
@@ -203,7 +374,7 @@ struct Job {
 };
 
 ffi::Error SmallGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                         ffi::ResultBuffer<ffi::F32> out, bool nt) {
+                         ffi::ResultBuffer<ffi::F32> out, bool nt, bool xbf16) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() < 2 || wd.size() < 2)
@@ -243,10 +414,20 @@ ffi::Error SmallGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
     return ffi::Error::Success();
   }
 
+#ifdef JSPEC_BF16DOT
+  // x is bfloat16 values held as float32 (the caller's promise): its upper halves, exactly.
+  if (job->bf16 && xbf16) {
+    job->dot = true;
+    const int64_t n = static_cast<int64_t>(x.element_count());
+    job->xb.resize(n);
+    const uint32_t* xu = reinterpret_cast<const uint32_t*>(job->x);
+    for (int64_t i = 0; i < n; ++i) job->xb[i] = uint16_t(xu[i] >> 16);
+  }
+#endif
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // nn: one chunk per thread (each streams its own column slice of every weight row);
   // nt: a few chunks per thread of 4-row groups (rows are independent, so balance is cheap).
-  const int64_t unit = nt ? 4 : 16;
+  const int64_t unit = nt ? 4 : (job->dot ? 32 : 16);
   const int64_t units = (job->F + unit - 1) / unit;
   const int64_t want = std::max<int64_t>(1, std::min<int64_t>(units, nt ? 4 * threads : threads));
   job->per_chunk = (units + want - 1) / want * unit;
@@ -267,4 +448,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecSmallGemm, SmallGemmImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<bool>("nt"));
+                                  .Attr<bool>("nt")
+                                  .Attr<bool>("xbf16"));
+
+// 1 where this build multiplies bfloat16 by bfloat16 with VDPBF16PS (attribute xbf16).
+extern "C" int JspecSmallGemmBf16Dot() {
+#ifdef JSPEC_BF16DOT
+  return 1;
+#else
+  return 0;
+#endif
+}

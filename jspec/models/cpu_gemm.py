@@ -5,7 +5,9 @@ without bfloat16 matmul instructions XLA:CPU runs such a product as a packed GEM
 about 1.5x a one-row product at M = 2 and 2-3x at M = 4-8 (docs/BENCHMARKS.md, "Small-M
 products on the CPU"), which is why speculative decoding did not pay there. `cpu_gemm.cc`
 reads each weight once per call and keeps the rows' partial sums in registers / L1: M = 2-8
-rows cost about 1.0-1.5 one-row products.
+rows cost about 1.0-1.5 one-row products. Built for a CPU with AVX512-BF16, a bfloat16 x
+bfloat16 product takes VDPBF16PS (32 weights an instruction), which beats XLA's bfloat16 GEMM
+there for up to 16 rows.
 
 Built on first use with the host's C++ compiler (`$CXX`, else c++ / g++ / clang++;
 `-O3 -march=native`, the XLA FFI headers that jaxlib ships) into `$JSPEC_CACHE/kernels/`,
@@ -15,10 +17,13 @@ same numbers up to summation order.
 
 When it is used (decided at trace time, static): the default backend is the CPU, no
 multi-device mesh is in context (a custom call has no sharding rule, so a sharded product stays
-with XLA), the product has `MIN_ROWS..MAX_ROWS` rows, and the machine class is `cpu` (a CPU
-without AVX512-BF16 / AMX / Arm BF16: where it was measured; on `cpu-bf16` machines XLA's
-bfloat16 path was measured fast and this kernel was not measured). `$JSPEC_CPU_GEMM`: `0`
-never, `1` always where the shape allows (an error if it cannot be built), unset: the rule.
+with XLA), the product has `1..MAX_ROWS` rows, and either the machine class is `cpu` (a CPU
+without AVX512-BF16 / AMX / Arm BF16; not a single float32 row, which XLA streams as fast), or
+it is
+`cpu-bf16`, the build has the VDPBF16PS path (`bf16_dot()`), both operands are bfloat16 and
+there are at most `MAX_ROWS_BF16` rows (measured faster than XLA's bfloat16 GEMM there; float32
+products stay with XLA). `$JSPEC_CPU_GEMM`: `0` never, `1` always where the shape allows (an
+error if it cannot be built), unset: the rule.
 """
 
 from __future__ import annotations
@@ -42,15 +47,24 @@ from jspec.errors import JspecError
 from jspec.paths import cache_dir, cache_lock
 from jspec.provenance import cpu_flags, machine_class
 
-__all__ = ["ENV", "MAX_ROWS", "available", "reference", "small_gemm", "use_for"]
+__all__ = ["ENV", "MAX_ROWS", "MAX_ROWS_BF16", "available", "bf16_dot", "reference", "small_gemm",
+           "use_for"]
 
 ENV = "JSPEC_CPU_GEMM"
 MAX_ROWS = 32  # measured crossover with XLA's GEMM on the 2-core AVX2 machine: M = 32-48
+MAX_ROWS_BF16 = 16  # on a cpu-bf16 machine, bfloat16 x bfloat16: level with XLA at 16 rows
 TARGET = "jspec_small_gemm"
 SOURCE = Path(__file__).with_suffix(".cc")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w")
 
 log = logging.getLogger(__name__)
+_BF16_DOT: list[bool] = []  # filled by _load(): whether the build has the VDPBF16PS path
+
+
+def bf16_dot() -> bool:
+    """Whether the kernel multiplies bfloat16 rows by bfloat16 weights with AVX512-BF16's
+    VDPBF16PS (built for a CPU that has it; builds the kernel on first call)."""
+    return _load() is None and _BF16_DOT[-1]
 
 
 def _mode() -> str:
@@ -109,6 +123,7 @@ def _load() -> str | None:
         lib = ctypes.cdll.LoadLibrary(str(path))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JspecSmallGemm),
                                     platform="cpu")
+        _BF16_DOT.append(bool(lib.JspecSmallGemmBf16Dot()))
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         return f"{type(e).__name__}: {e}"
     return None
@@ -136,20 +151,28 @@ def _multi_device_context() -> bool:
     return not mesh.empty and mesh.size > 1
 
 
-def use_for(rows: int, dtype: jnp.dtype) -> bool:
-    """Whether a product of `rows` rows against a `dtype` weight takes the kernel (static)."""
+def use_for(rows: int, dtype: jnp.dtype, x_dtype: jnp.dtype | None = None) -> bool:
+    """Whether a product of `rows` rows of `x_dtype` against a `dtype` weight takes the kernel
+    (static)."""
     mode = _mode()
     if mode == "0" or jax.default_backend() != "cpu" or _multi_device_context():
         return False
     if dtype not in (jnp.float32, jnp.bfloat16) or rows > MAX_ROWS or rows < 1:
         return False
-    # One float32 row: XLA's matrix-vector product already streams the weights at memory
-    # speed (measured equal or faster); a bfloat16 row takes XLA's slow emulated path.
-    if rows == 1 and dtype == jnp.float32:
-        return False
-    if mode != "1" and machine_class() != "cpu":
-        return False
-    return available()
+    if mode == "1":
+        return available()
+    cls = machine_class()
+    if cls == "cpu":
+        # One float32 row: XLA's matrix-vector product already streams the weights at memory
+        # speed (measured equal or faster); a bfloat16 row takes XLA's slow emulated path.
+        return not (rows == 1 and dtype == jnp.float32) and available()
+    if cls == "cpu-bf16":
+        # bfloat16 x bfloat16 with VDPBF16PS: 0.75-0.9x XLA's bfloat16 product in a target
+        # forward of 1-8 rows, level at 16 (docs/BENCHMARKS.md "bfloat16 products with
+        # VDPBF16PS"); anything else there stays with XLA's (fast) bfloat16 GEMM.
+        return (dtype == jnp.bfloat16 and x_dtype == jnp.bfloat16 and rows <= MAX_ROWS_BF16
+                and available() and bf16_dot())
+    return False
 
 
 def reference(x: jax.Array, w: jax.Array, nt: bool) -> jax.Array:
@@ -180,7 +203,8 @@ def small_gemm(x: jax.Array, w: jax.Array, nt: bool = False) -> jax.Array:
         raise JspecError(f"small_gemm: x has {x.shape[1]} columns, w contracts over {d}")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], f), jnp.float32),
                             vmap_method="expand_dims")
-    return call(x.astype(jnp.float32), w, nt=nt)
+    xbf16 = x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16
+    return call(x.astype(jnp.float32), w, nt=nt, xbf16=xbf16)
 
 
 @small_gemm.defjvp
