@@ -58,11 +58,13 @@ def test_equals_xla(dtype, nt, m, d, f):
     assert _rel(got, want) < tol
 
 
-def test_nan_in_padding_does_not_leak():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16-x"])
+def test_nan_in_padding_does_not_leak(dtype):
     """Each output reads only its own row and column: a NaN row of x spoils only its row, a
-    NaN weight column only its column."""
-    x = _rand((5, 40), jnp.float32, 3).at[2].set(jnp.nan)
-    w = _rand((40, 37), jnp.float32, 4).at[:, 20].set(jnp.nan)
+    NaN weight column only its column (bfloat16-x: in the pairs the VDPBF16PS path makes)."""
+    dt, xdt = PAIRS[dtype]
+    x = _rand((5, 40), xdt, 3).at[2].set(jnp.nan)
+    w = _rand((40, 37), dt, 4).at[:, 20].set(jnp.nan)
     got = np.asarray(cpu_gemm.small_gemm(x, w))
     bad = np.zeros_like(got, bool)
     bad[2] = True
@@ -70,23 +72,26 @@ def test_nan_in_padding_does_not_leak():
     assert np.isnan(got[bad]).all() and np.isfinite(got[~bad]).all()
 
 
-def test_vmap_batches_without_copying_shared_weights():
-    x = _rand((3, 4, 24), jnp.float32, 5)
-    w = _rand((24, 20), jnp.float32, 6)
-    ws = _rand((3, 24, 20), jnp.float32, 7)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16-x"])
+def test_vmap_batches_without_copying_shared_weights(dtype):
+    dt, xdt = PAIRS[dtype]
+    x = _rand((3, 4, 24), xdt, 5)
+    w = _rand((24, 20), dt, 6)
+    ws = _rand((3, 24, 20), dt, 7)
     ref = cpu_gemm.reference
+    xf, wsf = x.astype(jnp.float32), ws.astype(jnp.float32)  # float32 references
     got = jax.vmap(lambda x: cpu_gemm.small_gemm(x, w))(x)
     assert _rel(got, ref(x, w, False)) < 1e-6
     got = jax.vmap(cpu_gemm.small_gemm)(x, ws)
-    assert _rel(got, jnp.einsum("bmd,bdf->bmf", x, ws)) < 1e-6
+    assert _rel(got, jnp.einsum("bmd,bdf->bmf", xf, wsf)) < 1e-6
     got = jax.vmap(lambda w: cpu_gemm.small_gemm(x[0], w))(ws)
-    assert _rel(got, jnp.einsum("md,bdf->bmf", x[0], ws)) < 1e-6
+    assert _rel(got, jnp.einsum("md,bdf->bmf", xf[0], wsf)) < 1e-6
     nested = jax.vmap(jax.vmap(cpu_gemm.small_gemm, in_axes=(0, None)), in_axes=(None, 0))(x, ws)
     assert nested.shape == (3, 3, 4, 20)
-    assert _rel(nested, jnp.einsum("imd,jdf->jimf", x, ws)) < 1e-6
+    assert _rel(nested, jnp.einsum("imd,jdf->jimf", xf, wsf)) < 1e-6
     # the weights went in once (a size-1 batch dim), not broadcast to the batch
     hlo = jax.jit(jax.vmap(lambda x: cpu_gemm.small_gemm(x, w))).lower(x).as_text()
-    assert "tensor<1x24x20xf32>" in hlo
+    assert f"tensor<1x24x20x{'bf16' if dt == jnp.bfloat16 else 'f32'}>" in hlo
 
 
 def test_gradients_are_xlas():
