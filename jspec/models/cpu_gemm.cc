@@ -142,18 +142,25 @@ inline void nt_tile(const float* x, const W* w, float* out, int64_t D, int64_t F
     }
 }
 
-// Weight rows [c0, c1) of out[M, F] = x[M, D] @ w[F, D]^T.
-template <typename W>
-void nt_rows(const float* x, const W* w, float* out, int64_t M, int64_t D, int64_t F, int64_t c0,
+struct NtTile {
+  template <int R, int C, typename W>
+  static void run(const float* x, const W* w, float* out, int64_t D, int64_t F, int64_t f) {
+    nt_tile<R, C>(x, w, out, D, F, f);
+  }
+};
+
+// Weight rows [c0, c1) of out[M, F] = x[M, D] @ w[F, D]^T, in tiles of 2 x 4 (Tile::run).
+template <typename Tile, typename X, typename W>
+void nt_rows(const X* x, const W* w, float* out, int64_t M, int64_t D, int64_t F, int64_t c0,
              int64_t c1) {
   int64_t f = c0;
   for (; f + 4 <= c1; f += 4) {
     int64_t m = 0;
-    for (; m + 2 <= M; m += 2) nt_tile<2, 4>(x + m * D, w, out + m * F, D, F, f);
-    if (m < M) nt_tile<1, 4>(x + m * D, w, out + m * F, D, F, f);
+    for (; m + 2 <= M; m += 2) Tile::template run<2, 4>(x + m * D, w, out + m * F, D, F, f);
+    if (m < M) Tile::template run<1, 4>(x + m * D, w, out + m * F, D, F, f);
   }
   for (; f < c1; ++f)
-    for (int64_t m = 0; m < M; ++m) nt_tile<1, 1>(x + m * D, w, out + m * F, D, F, f);
+    for (int64_t m = 0; m < M; ++m) Tile::template run<1, 1>(x + m * D, w, out + m * F, D, F, f);
 }
 
 #ifdef JSPEC_BF16DOT
@@ -292,17 +299,13 @@ inline void nt_tile_dp(const uint16_t* x, const uint16_t* w, float* out, int64_t
     }
 }
 
-void nt_rows_dp(const uint16_t* x, const uint16_t* w, float* out, int64_t M, int64_t D,
-                int64_t F, int64_t c0, int64_t c1) {
-  int64_t f = c0;
-  for (; f + 4 <= c1; f += 4) {
-    int64_t m = 0;
-    for (; m + 2 <= M; m += 2) nt_tile_dp<2, 4>(x + m * D, w, out + m * F, D, F, f);
-    if (m < M) nt_tile_dp<1, 4>(x + m * D, w, out + m * F, D, F, f);
+struct NtTileDp {
+  template <int R, int C>
+  static void run(const uint16_t* x, const uint16_t* w, float* out, int64_t D, int64_t F,
+                  int64_t f) {
+    nt_tile_dp<R, C>(x, w, out, D, F, f);
   }
-  for (; f < c1; ++f)
-    for (int64_t m = 0; m < M; ++m) nt_tile_dp<1, 1>(x + m * D, w, out + m * F, D, F, f);
-}
+};
 #endif  // JSPEC_BF16DOT
 
 // ------------------------------------------------------------------------------------- jobs
@@ -342,7 +345,7 @@ struct Job {
       if (dot) {
         const uint16_t* xh = this->xb.data() + xo;
         if (nt)
-          nt_rows_dp(xh, wb, ob, M, D, F, c0, c1);
+          nt_rows<NtTileDp>(xh, wb, ob, M, D, F, c0, c1);
         else
           nn_columns_dp(xh, wb, ob, M, D, F, c0, c1);
         return;
@@ -350,7 +353,7 @@ struct Job {
     }
 #endif
     if (nt)
-      nt_rows(xb, wb, ob, M, D, F, c0, c1);
+      nt_rows<NtTile>(xb, wb, ob, M, D, F, c0, c1);
     else
       nn_columns(xb, wb, ob, M, D, F, c0, c1);
   }
