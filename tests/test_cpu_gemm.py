@@ -133,7 +133,8 @@ def test_when_matmul_uses_it(monkeypatch):
     monkeypatch.setattr(cpu_gemm, "machine_class", lambda: "gpu")
     assert not cpu_gemm.use_for(4, bf16, bf16)
     monkeypatch.setenv(cpu_gemm.ENV, "1")
-    assert cpu_gemm.use_for(4, f32)
+    assert cpu_gemm.use_for(4, f32) and cpu_gemm.use_for(1, bf16, f32)
+    assert not cpu_gemm.use_for(1, f32)  # forced or not: XLA streams one float32 row as fast
     monkeypatch.setenv(cpu_gemm.ENV, "0")
     assert not cpu_gemm.use_for(4, f32)
     monkeypatch.setenv(cpu_gemm.ENV, "yes")

@@ -17,12 +17,11 @@ same numbers up to summation order.
 
 When it is used (decided at trace time, static): the default backend is the CPU, no
 multi-device mesh is in context (a custom call has no sharding rule, so a sharded product stays
-with XLA), the product has `1..MAX_ROWS` rows, and either the machine class is `cpu` (a CPU
-without AVX512-BF16 / AMX / Arm BF16; not a single float32 row, which XLA streams as fast), or
-it is
-`cpu-bf16`, the build has the VDPBF16PS path (`bf16_dot()`), both operands are bfloat16 and
-there are at most `MAX_ROWS_BF16` rows (measured faster than XLA's bfloat16 GEMM there; float32
-products stay with XLA). `$JSPEC_CPU_GEMM`: `0` never, `1` always where the shape allows (an
+with XLA), the product has `1..MAX_ROWS` rows and is not a single float32 row (XLA streams
+that as fast), and either the machine class is `cpu` (a CPU without AVX512-BF16 / AMX / Arm
+BF16), or it is `cpu-bf16`, the build has the VDPBF16PS path (`bf16_dot()`), both operands are
+bfloat16 and there are at most `MAX_ROWS_BF16` rows (measured faster than XLA's bfloat16 GEMM
+there; float32 products stay with XLA). `$JSPEC_CPU_GEMM`: `0` never, `1` always where the shape allows (an
 error if it cannot be built), unset: the rule.
 """
 
@@ -159,13 +158,13 @@ def use_for(rows: int, dtype: jnp.dtype, x_dtype: jnp.dtype | None = None) -> bo
         return False
     if dtype not in (jnp.float32, jnp.bfloat16) or rows > MAX_ROWS or rows < 1:
         return False
-    if mode == "1":
+    # One float32 row: XLA's matrix-vector product already streams the weights at memory
+    # speed (measured equal or faster); a bfloat16 row takes XLA's slow emulated path.
+    if rows == 1 and dtype == jnp.float32:
+        return False
+    cls = "any" if mode == "1" else machine_class()
+    if cls in ("any", "cpu"):
         return available()
-    cls = machine_class()
-    if cls == "cpu":
-        # One float32 row: XLA's matrix-vector product already streams the weights at memory
-        # speed (measured equal or faster); a bfloat16 row takes XLA's slow emulated path.
-        return not (rows == 1 and dtype == jnp.float32) and available()
     if cls == "cpu-bf16":
         # bfloat16 x bfloat16 with VDPBF16PS: 0.75-0.9x XLA's bfloat16 product in a target
         # forward of 1-8 rows, level at 16 (docs/BENCHMARKS.md "bfloat16 products with
