@@ -15,7 +15,8 @@
 // Portable: GCC/Clang vector extensions (8 floats), compiled for the host (-march=native) on
 // first use; AVX2+FMA on x86-64, NEON on Arm. Where the compiler targets AVX512-BF16 and both
 // operands are bfloat16 (the caller says x is: attribute xbf16), the products take VDPBF16PS
-// instead (pairs of bfloat16 products into float32 lanes, 32 weights an instruction). Leading (batch) dims: x and w have the same rank
+// instead (pairs of bfloat16 products into float32 lanes, 32 weights an instruction).
+// Leading (batch) dims: x and w have the same rank
 // and each leading dim is equal or 1 in one of them (broadcast), which is what vmap's
 // "expand_dims" method hands over (weights shared by every batch entry have dims of 1).
 #include <algorithm>
@@ -166,16 +167,10 @@ void nt_rows(const X* x, const W* w, float* out, int64_t M, int64_t D, int64_t F
 #ifdef JSPEC_BF16DOT
 // ------------------------------------------------------------------- bfloat16 x bfloat16
 // Both operands bfloat16 (x's rows as uint16 bits), float32 accumulation with VDPBF16PS:
-// lane i of the accumulator += a[2i] * b[2i] + a[2i+1] * b[2i+1].
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+// lane i of the accumulator += a[2i] * b[2i] + a[2i+1] * b[2i+1]. Tails in scalar code (load1).
 
 // Indices that interleave two vectors of 32 bfloat16 (a = weight row k, b = row k+1) into
-// (a[i], b[i]) pairs: kLo for columns 0-15, kHi for 16-31.
+// (a[i], b[i]) pairs: base 0 for columns 0-15, base 16 for 16-31.
 inline __m512i interleave_index(int base) {
   alignas(64) uint16_t idx[32];
   for (int i = 0; i < 16; ++i) {
@@ -265,11 +260,11 @@ void nn_columns_dp(const uint16_t* x, const uint16_t* w, float* out, int64_t M, 
   for (int64_t k = d4; k < D; ++k)
     for (int64_t j = c0; j < bv; ++j)
       for (int64_t m = 0; m < M; ++m)
-        out[m * F + j] += bf16_to_f32(x[m * D + k]) * bf16_to_f32(w[k * F + j]);
+        out[m * F + j] += load1(x + m * D + k) * load1(w + k * F + j);
   for (int64_t j = bv; j < c1; ++j)
     for (int64_t m = 0; m < M; ++m) {
       float s = 0.f;
-      for (int64_t k = 0; k < D; ++k) s += bf16_to_f32(x[m * D + k]) * bf16_to_f32(w[k * F + j]);
+      for (int64_t k = 0; k < D; ++k) s += load1(x + m * D + k) * load1(w + k * F + j);
       out[m * F + j] = s;
     }
 }
@@ -294,7 +289,7 @@ inline void nt_tile_dp(const uint16_t* x, const uint16_t* w, float* out, int64_t
     for (int c = 0; c < C; ++c) {
       float s = _mm512_reduce_add_ps(acc[r][c]);
       for (int64_t kk = k; kk < D; ++kk)
-        s += bf16_to_f32(x[r * D + kk]) * bf16_to_f32(w[(f + c) * D + kk]);
+        s += load1(x + r * D + kk) * load1(w + (f + c) * D + kk);
       out[r * F + f + c] = s;
     }
 }
