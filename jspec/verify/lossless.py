@@ -146,17 +146,9 @@ def verify_chain(key: jax.Array, draft: jax.Array, q: jax.Array | None, target_l
     The decisions are `pallas_kernels.relaxed_acceptance.decide`'s, which the fused kernels and
     their reference also use.
     """
-    b, k = draft.shape
-    z = process_logits(target_logits, sampling)  # [B, K+1, V]
-    v = z.shape[-1]
-    ok = jnp.ones((b, k), bool) if valid is None else valid
-    if q is None:  # one-hot at the draft: itself a q over the drafted tokens' ids
-        q, q_vocab = jnp.ones((b, k, 1), jnp.float32), None
-        row_ids = draft[..., None]  # [B, K, 1] the target id of each row's single entry
-    else:
-        row_ids = None if q_vocab is None else jnp.broadcast_to(q_vocab, q.shape)
-
+    z, ok, q, row_ids = _chain_inputs(draft, q, target_logits, sampling, valid, q_vocab)
     if sampling.greedy:
+        k, v = draft.shape[1], z.shape[-1]
         target_tok = argmax(z)  # [B, K+1]
         choice = target_tok[:, :k]
         if w is not None:
@@ -166,28 +158,63 @@ def verify_chain(key: jax.Array, draft: jax.Array, q: jax.Array | None, target_l
             choice = argmax(nu)
         n, tok, _ = decide_greedy(draft, ok, target_tok, choice, w is not None)
         return n, tok
-    p = jax.nn.softmax(z, axis=-1)  # [B, K+1, V]
     k_u, k_s = jax.random.split(key)
+    u = jax.random.uniform(k_u, draft.shape)
+    n, dist, _ = _decide(u, draft, q, row_ids, z, ok, w)
+    return n, sample_from_probs(k_s, dist)
+
+
+def decide_chain(u: jax.Array, draft: jax.Array, q: jax.Array | None, target_logits: jax.Array,
+                 sampling: Sampling, valid: jax.Array | None = None, w: jax.Array | None = None,
+                 q_vocab: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`verify_chain`'s sampled (T > 0) decisions for given uniforms u f32[B, K] (`verify_chain`
+    draws them from its key): x_i is accepted iff u_i·q(x_i) < ν(x_i), so u = 0 accepts it
+    whenever ν(x_i) > 0 and u = inf rejects it. Other arguments as `verify_chain`'s.
+
+    Returns:
+      (n i32[B], the distribution the next token is drawn from f32[B, V] (unnormalised: the
+      residual at slot n, or p there), prob f32[B, K] min(1, ν/q) per valid slot). An exact
+      enumeration (tests/exact_law.py) runs forced uniforms and integrates `prob`.
+    """
+    z, ok, q, row_ids = _chain_inputs(draft, q, target_logits, sampling, valid, q_vocab)
+    return _decide(u, draft, q, row_ids, z, ok, w)
+
+
+def _chain_inputs(draft, q, target_logits, sampling, valid, q_vocab):
+    """(processed target logits f32[B, K+1, V], valid bool[B, K], q f32[B, K, Vq], the target
+    id of each q entry i32[B, K, Vq] or None when q is over all V)."""
+    b, k = draft.shape
+    z = process_logits(target_logits, sampling)  # [B, K+1, V]
+    ok = jnp.ones((b, k), bool) if valid is None else valid
+    if q is None:  # one-hot at the draft: itself a q over the drafted tokens' ids
+        return z, ok, jnp.ones((b, k, 1), jnp.float32), draft[..., None]
+    return z, ok, q, None if q_vocab is None else jnp.broadcast_to(q_vocab, q.shape)
+
+
+def _decide(u, draft, q, row_ids, z, ok, w):
+    """`decide_chain` on `_chain_inputs`' arrays."""
+    b, k = draft.shape
+    v = z.shape[-1]
+    p = jax.nn.softmax(z, axis=-1)  # [B, K+1, V]
     p_x = jnp.take_along_axis(p[:, :k], draft[..., None], axis=-1)[..., 0]  # [B, K]
     if row_ids is None:
         q_x = jnp.take_along_axis(q, draft[..., None], axis=-1)[..., 0]
     else:  # the entry whose target id is the draft (0 when the drafter gave it none)
         q_x = jnp.sum(jnp.where(row_ids == draft[..., None], q, 0.0), axis=-1)
     q_x = jnp.where(q_x <= 0, 1.0, q_x)  # a deterministic slot: q one-hot at the draft
-    u = jax.random.uniform(k_u, (b, k))
     nu_x = p_x if w is None else w * p_x + (1.0 - w) * q_x
-    n, row, proposed, _ = accept_sampled(ok, u, q_x, nu_x)
+    n, row, proposed, prob = accept_sampled(ok, u, q_x, nu_x)
     rows = jnp.arange(b)
     q_row = one_hot_where_deterministic(
         dense_q(q[rows, row], None if row_ids is None else row_ids[rows, row], v),
         draft[rows, row])
     q_n = jnp.where(proposed[:, None], q_row, 0.0)
-    return n, residual_token(k_s, p[rows, n], q_n)
+    return n, residual(p[rows, n], q_n), prob
 
 
-def residual_token(key: jax.Array, p_n: jax.Array, q_n: jax.Array) -> jax.Array:
-    """i32[B]: a draw from norm([p_n − q_n]+) (f32[B, V] each), or from p_n when that mass is
-    numerically empty (≤ RESIDUAL_EPS). With q_n = 0 (bonus / empty slot) it is a draw from p_n."""
+def residual(p_n: jax.Array, q_n: jax.Array) -> jax.Array:
+    """f32[B, V] (unnormalised): [p_n − q_n]+ (f32[B, V] each), or p_n when that mass is
+    numerically empty (≤ RESIDUAL_EPS). With q_n = 0 (bonus / empty slot) it is p_n."""
     resid = jnp.maximum(p_n - q_n, 0.0)
     mass = jnp.sum(resid, axis=-1, keepdims=True)
-    return sample_from_probs(key, jnp.where(mass > RESIDUAL_EPS, resid, p_n))
+    return jnp.where(mass > RESIDUAL_EPS, resid, p_n)

@@ -29,7 +29,7 @@ from jspec.sampling import (
     sample,
     sample_from_probs,
 )
-from pallas_kernels.relaxed_acceptance.decide import RESIDUAL_EPS
+from pallas_kernels.relaxed_acceptance.decide import RESIDUAL_EPS, accept_sampled
 
 
 def walk(tokens: jax.Array, parents: jax.Array, depth: jax.Array, valid: jax.Array,
@@ -111,21 +111,48 @@ def verify_tree_drawn(key: jax.Array, tokens: jax.Array, parents: jax.Array, val
     Returns:
       (n i32[B], path i32[B, max_depth + 1], next token i32[B]) as `walk`.
     """
-    b, t = tokens.shape
-    v = target_logits.shape[-1]
-    rows = jnp.arange(b)
-    idx = jnp.arange(t, dtype=jnp.int32)
+    t = tokens.shape[1]
     m = max(1, min(max_children, t - 1))
     p_all = jax.nn.softmax(process_logits(target_logits, sampling), axis=-1)  # [B, T, V]
+    k_u, k_s = jax.random.split(key)
+    uniforms = jax.random.uniform(k_u, (max_depth + 1, tokens.shape[0], m))
+    n, path, p_stop, _ = walk_drawn(uniforms, tokens, parents, valid, p_all, q, q_vocab,
+                                    max_depth)
+    # One draw per row from the residual it stopped at, not one per level (each draw is
+    # Gumbel noise over V: ~0.5 ms for 49,152 tokens on a 2-core CPU).
+    return n, path, sample_from_probs(k_s, p_stop)
+
+
+def walk_drawn(uniforms: jax.Array, tokens: jax.Array, parents: jax.Array, valid: jax.Array,
+               p_all: jax.Array, q: jax.Array, q_vocab: jax.Array | None, max_depth: int
+               ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """`verify_tree_drawn`'s decisions for given uniforms.
+
+    Args:
+      uniforms: f32[max_depth + 1, B, m] one per level and child tried (m children at most
+        per node); `verify_tree_drawn` draws them from its key. Child i is accepted iff
+        u·q_i(c_i) < p(c_i): u = 0 accepts it whenever p(c_i) > 0, u = inf rejects it.
+      tokens, parents, valid, q, q_vocab, max_depth: as in `verify_tree_drawn`.
+      p_all: f32[B, T, V] the target's processed distribution at each node.
+    Returns:
+      (n i32[B], path i32[B, max_depth + 1], p_stop f32[B, V] the residual each row stops at
+      (the next token is drawn from it), prob f32[max_depth + 1, B, m] min(1, p(c_i)/q_i(c_i))
+      of each child tried, 0 for a child not tried). An exact enumeration
+      (tests/exact_law.py) runs the forced uniforms 0 / inf and integrates `prob`.
+    """
+    b, t = tokens.shape
+    v = p_all.shape[-1]
+    m = uniforms.shape[-1]
+    rows = jnp.arange(b)
+    idx = jnp.arange(t, dtype=jnp.int32)
     cur = jnp.zeros((b,), jnp.int32)
     alive = jnp.ones((b,), bool)
     n = jnp.zeros((b,), jnp.int32)
     p_stop = jnp.zeros((b, v), jnp.float32)  # the residual each row stops at
     path = jnp.zeros((b, max_depth + 1), jnp.int32)
-    k_u, k_s = jax.random.split(key)
-    all_uniforms = jax.random.uniform(k_u, (max_depth + 1, b, m))
+    probs = []
     for level in range(max_depth + 1):
-        uniforms = all_uniforms[level]
+        u_level = uniforms[level]
         p = p_all[rows, cur]  # [B, V]
         child = valid & (parents == cur[:, None]) & (idx > 0)[None]
         # The first m children in node order (their draw order).
@@ -144,7 +171,10 @@ def verify_tree_drawn(key: jax.Array, tokens: jax.Array, parents: jax.Array, val
             r = r / jnp.maximum(jnp.sum(r, axis=-1, keepdims=True), 1e-30)
             q_x = jnp.sum(jnp.where(hot, r, 0.0), axis=-1)
             p_x = jnp.sum(jnp.where(hot, p, 0.0), axis=-1)
-            acc = ok & (uniforms[:, i] * q_x < p_x)
+            n_i, _, _, prob = accept_sampled(ok[:, None], u_level[:, i:i + 1], q_x[:, None],
+                                             p_x[:, None])
+            acc = n_i == 1
+            probs.append(prob[:, 0])
             rej = ok & ~acc
             resid = jnp.maximum(p - r, 0.0)
             mass = jnp.sum(resid, axis=-1, keepdims=True)
@@ -161,6 +191,4 @@ def verify_tree_drawn(key: jax.Array, tokens: jax.Array, parents: jax.Array, val
             path = path.at[:, level + 1].set(jnp.where(move, to, 0))
         cur = jnp.where(move, to, cur)
         alive = move
-    # One draw per row from the residual it stopped at, not one per level (each draw is
-    # Gumbel noise over V: ~0.5 ms for 49,152 tokens on a 2-core CPU).
-    return n, path, sample_from_probs(k_s, p_stop)
+    return n, path, p_stop, jnp.stack(probs).reshape(max_depth + 1, m, b).transpose(0, 2, 1)
