@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jspec
+from jspec import platforms
 from jspec.bench import _median_time
 from jspec.cost import forward_times
 from jspec.decode import _init_jit
@@ -102,7 +103,7 @@ def probe(model: Any, drafter: Any, prompts: list[list[int]], d_max: int, max_ne
         width = bucket_length(len(ids))
         arr = np.zeros((1, width), np.int32)
         arr[0, :len(ids)] = ids
-        cap = cache_capacity(width, max_new_tokens, d_max)
+        cap = cache_capacity(width, max_new_tokens, d_max, platforms.of_arrays(model.weights))
         state = _init_jit(model.weights, drafter, jspec.Lossless(), jnp.asarray(arr),
                           jnp.asarray([len(ids)], jnp.int32), jax.random.key(0), config=cfg,
                           sampling=greedy, max_new_tokens=max_new_tokens, capacity=cap,
@@ -137,7 +138,8 @@ def block_time(model: Any, drafter: Any, fill: int, repeats: int) -> float:
     state = _init_jit(model.weights, drafter, jspec.Lossless(), ids,
                       jnp.asarray([fill], jnp.int32), jax.random.key(0), config=model.config,
                       sampling=jspec.Sampling(), max_new_tokens=8,
-                      capacity=cache_capacity(fill, 8, 8), eos_ids=model.eos_ids, k=8,
+                      capacity=cache_capacity(fill, 8, 8, platforms.of_arrays(model.weights)),
+                      eos_ids=model.eos_ids, k=8,
                       length=LibraSpec(n=1, d_max=8), mesh=None)
     ctx = DraftContext(seq=state.seq, cache_len=state.cache.lengths, last=state.last)
     fn = jax.jit(lambda d, s: d.extend(s, ctx, ctx.last, 1, jspec.Sampling(),

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec import platforms
 from jspec.models.cache import KVCache
 from jspec.models.llama import Chain, Tree, forward
 from jspec.state import cache_capacity
@@ -39,7 +40,8 @@ def forward_times(model: Any, sizes: list[int] | tuple[int, ...], fill: int, rep
     """
     cfg = model.config
     sizes = sorted(set(sizes))
-    cap = cache_capacity(fill, max(sizes))  # the capacity generate would give this fill
+    # the capacity generate would give this fill
+    cap = cache_capacity(fill, max(sizes), platform=platforms.of_arrays(model.weights))
 
     @jax.jit
     def fwd(w, toks, pos, cache, parents):

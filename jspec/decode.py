@@ -17,7 +17,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jspec import memory, sharding
+from jspec import memory, platforms, sharding
 from jspec.drafters.base import Drafter
 from jspec.errors import JspecError, PlainDecodingWarning
 from jspec.inputs import pad_to_bucket, validate_prompts
@@ -34,7 +34,7 @@ from jspec.verify.base import Verifier, check_verifier
 # The verifier is a pytree argument (a learned DIVERSED head's arrays are leaves); Lossless and
 # ASD are registered static pytrees, so their settings still key the compilation cache.
 _STATIC = ("config", "sampling", "max_new_tokens", "capacity", "eos_ids", "k", "length",
-           "mesh")
+           "mesh", "platform")
 
 
 def _pin_inputs(mesh: Mesh | None, config: ModelConfig, weights: Weights, drafter: Any,
@@ -78,7 +78,18 @@ def _generate(weights: Weights, drafter: Any, verifier: Any, prompt_ids: jax.Arr
               prompt_lengths: jax.Array, key: jax.Array, *, config: ModelConfig,
               sampling: Sampling, max_new_tokens: int, capacity: int,
               eos_ids: tuple[int, ...], k: int, length: Any = None,
-              mesh: Mesh | None = None) -> GenerateOutput:
+              mesh: Mesh | None = None, platform: str | None = None) -> GenerateOutput:
+    with platforms.compiling_for(platform):
+        return _generate_body(weights, drafter, verifier, prompt_ids, prompt_lengths, key,
+                              config=config, sampling=sampling, max_new_tokens=max_new_tokens,
+                              capacity=capacity, eos_ids=eos_ids, k=k, length=length, mesh=mesh)
+
+
+def _generate_body(weights: Weights, drafter: Any, verifier: Any, prompt_ids: jax.Array,
+                   prompt_lengths: jax.Array, key: jax.Array, *, config: ModelConfig,
+                   sampling: Sampling, max_new_tokens: int, capacity: int,
+                   eos_ids: tuple[int, ...], k: int, length: Any = None,
+                   mesh: Mesh | None = None) -> GenerateOutput:
     weights, drafter, verifier, prompt_ids, prompt_lengths = _pin_inputs(
         mesh, config, weights, drafter, verifier, prompt_ids, prompt_lengths)
     state = init_state(config, weights, drafter, prompt_ids, prompt_lengths, key,
@@ -96,22 +107,27 @@ def _generate(weights: Weights, drafter: Any, verifier: Any, prompt_ids: jax.Arr
 def _init_jit(weights: Weights, drafter: Any, verifier: Any, prompt_ids: jax.Array,
               prompt_lengths: jax.Array, key: jax.Array, **statics: Any) -> SpecState:
     mesh = statics.pop("mesh", None)
+    platform = statics.pop("platform", None)
     weights, drafter, verifier, prompt_ids, prompt_lengths = _pin_inputs(
         mesh, statics["config"], weights, drafter, verifier, prompt_ids, prompt_lengths)
-    state = init_state(statics["config"], weights, drafter, prompt_ids, prompt_lengths, key,
-                       verifier=verifier, **{k: v for k, v in statics.items() if k != "config"})
+    with platforms.compiling_for(platform):
+        state = init_state(statics["config"], weights, drafter, prompt_ids, prompt_lengths, key,
+                           verifier=verifier,
+                           **{k: v for k, v in statics.items() if k != "config"})
     return _pin_state(mesh, state)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "k", "length",
-                                             "rounds", "mesh"),
+                                             "rounds", "mesh", "platform"),
                    donate_argnames=("state",))
 def _chunk_jit(weights: Weights, drafter: Any, verifier: Any, state: SpecState, *,
                config: ModelConfig, sampling: Sampling, eos_ids: tuple[int, ...], k: int,
-               rounds: int, length: Any = None, mesh: Mesh | None = None) -> SpecState:
-    round_fn = make_round(config, weights, drafter, k=k, sampling=sampling, eos_ids=eos_ids,
-                          verifier=verifier, length=length)
-    return run_rounds(_pinned_round(mesh, round_fn), state, rounds)
+               rounds: int, length: Any = None, mesh: Mesh | None = None,
+               platform: str | None = None) -> SpecState:
+    with platforms.compiling_for(platform):
+        round_fn = make_round(config, weights, drafter, k=k, sampling=sampling,
+                              eos_ids=eos_ids, verifier=verifier, length=length)
+        return run_rounds(_pinned_round(mesh, round_fn), state, rounds)
 
 
 def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
@@ -256,14 +272,25 @@ def _statics(model: Model, ids: jax.Array, drafter: Any, sampling: Sampling, max
         raise JspecError("verifier= and length= need a drafter")
     # Slots a round writes beyond `last`: k, or a tree drafter's T - 1 nodes.
     look = 0 if drafter is None else drafter.caps.lookahead(k)
-    cap = capacity or cache_capacity(ids.shape[1], max_new_tokens, look)
+    mesh = sharding.resolve_mesh(mesh)
+    platform = target_platform(mesh, model.weights, ids)
+    cap = capacity or cache_capacity(ids.shape[1], max_new_tokens, look, platform)
     if cap < ids.shape[1] + max_new_tokens + look + 1:
         raise JspecError(f"prompt width {ids.shape[1]} + max_new_tokens {max_new_tokens} + a "
                          f"verify block of {look + 1} does not fit the cache capacity {cap}")
     return dict(config=model.config, sampling=sampling, max_new_tokens=max_new_tokens,
                 capacity=cap, eos_ids=model.eos_ids, k=k, verifier=verifier,
                 length=length if isinstance(length, LibraSpec) else None,
-                mesh=sharding.resolve_mesh(mesh))
+                mesh=mesh, platform=platform)
+
+
+def target_platform(mesh: Mesh | None, *inputs: Any) -> str | None:
+    """The platform `generate`'s program is compiled for, when known before tracing: the mesh's
+    devices, else the concrete inputs' devices, else the context's abstract mesh; None inside a
+    user's jit with none of these (then each backend-specific choice is made when the program
+    is lowered, `jspec.platforms.choose`)."""
+    return (platforms.of_mesh(mesh) or platforms.of_arrays(inputs)
+            or platforms.of_mesh(jax.sharding.get_abstract_mesh()))
 
 
 def _check_libraspec(policy: Any, drafter: Any) -> None:
@@ -295,7 +322,7 @@ def stream(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
     with sharding.using(mesh):
         state = _init_jit(weights, drafter, verifier, ids, lengths, key, **statics)
     loop_statics = {k: statics[k] for k in ("config", "sampling", "eos_ids", "k", "length",
-                                            "mesh")}
+                                            "mesh", "platform")}
     while True:
         tokens, num_new, done, st = jax.device_get(
             (state.tokens, state.num_new, state.done, state.stats))

@@ -33,19 +33,21 @@ def bucket_length(n: int) -> int:
     return -(-n // 128) * 128
 
 
-def capacity_multiple() -> int:
-    """What cache capacities are rounded up to on the default backend: 128 slots (a lane-wide
-    Pallas tile) on TPU/GPU; 32 on CPU, where the XLA attention reads every slot of the
-    capacity each step (batch 64, 64 new tokens after 96-wide prompts: 192 slots instead of
-    256; docs/BENCHMARKS.md "Issue 18 closed out")."""
-    return 32 if jax.default_backend() == "cpu" else 128
+def capacity_multiple(platform: str | None) -> int:
+    """What cache capacities are rounded up to in a program compiled for `platform`: 128 slots
+    (a lane-wide Pallas tile) on TPU/GPU, and where the platform is not known at trace time
+    (None: a user's jit without a mesh; 128 is valid everywhere); 32 on CPU, where the XLA
+    attention reads every slot of the capacity each step (batch 64, 64 new tokens after 96-wide
+    prompts: 192 slots instead of 256; docs/BENCHMARKS.md "Issue 18 closed out")."""
+    return 32 if platform == "cpu" else 128
 
 
-def cache_capacity(prompt_width: int, max_new_tokens: int, lookahead: int = 0) -> int:
+def cache_capacity(prompt_width: int, max_new_tokens: int, lookahead: int = 0,
+                   platform: str | None = None) -> int:
     """Slots needed for the prompt, the new tokens and a verify block of `lookahead` drafts,
-    rounded up to `capacity_multiple()`."""
+    rounded up to `capacity_multiple(platform)`."""
     need = prompt_width + max_new_tokens + lookahead + 1
-    m = capacity_multiple()
+    m = capacity_multiple(platform)
     return -(-need // m) * m
 
 

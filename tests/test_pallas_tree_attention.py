@@ -293,12 +293,12 @@ def test_attention_impl_resolution_and_validation():
     assert resolve_attention_impl("xla", "tpu") == "xla"
     assert resolve_attention_impl("pallas", "cpu") == "pallas"
     assert ModelConfig().attention_impl == "auto"
-    assert ModelConfig().resolved_attention_impl() == ("pallas" if jax.default_backend() == "tpu"
-                                                        else "xla")
     with pytest.raises(JspecError, match="attention_impl"):
         ModelConfig(attention_impl="triton")
     with pytest.raises(JspecError, match="attention_impl"):
-        resolve_attention_impl("cuda")
+        resolve_attention_impl("cuda", "cpu")
+    with pytest.raises(JspecError, match="backend"):
+        resolve_attention_impl("auto", "cuda")
 
 
 @pytest.mark.real

@@ -84,7 +84,7 @@ def step(cfg: DrafterConfig, p: Eagle3Params, emb: jax.Array, g: jax.Array,
     if mask is None:
         c = jnp.arange(ck.shape[2], dtype=jnp.int32)
         mask = c[None, None, :] <= positions[:, :, None]
-    at = blocks.Attend(use_pallas=False, mask=mask,
+    at = blocks.Attend(pallas_on=frozenset(), mask=mask,
                        lengths=positions[:, 0] if slots is None else slots)
     h, ck, cv, _ = blocks.layer(cfg.heads, p.layer, g, rot(cfg, positions), at, ck, cv,
                                 y=_layer_in(cfg, p, emb, g), residual=_residual(cfg, p, g))

@@ -14,12 +14,14 @@ Key/value buffers are head-major, dtype[B, KV, S, hd] (the KV cache's layout; se
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec import platforms
 from jspec.models import cpu_gemm
 from jspec.models.cache import from_storage, write_slots
 from jspec.sharding import logical, shard_kernel
@@ -99,25 +101,35 @@ def matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     one-row bfloat16 product is computed as two rows (the second zero) and the first kept:
     static shapes, no effect elsewhere.
     """
-    lead = x.shape[:-1]
-    rows = math.prod(lead)
     if spec not in _SPECS:
         raise ValueError(f"matmul: unsupported spec {spec!r}")
+    # The CPU paths only where the program is compiled for a CPU (jspec.platforms).
+    return platforms.choose(x, w, cpu=functools.partial(_matmul_cpu, spec),
+                            default=functools.partial(_matmul_xla, spec))
+
+
+def _matmul_xla(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+
+
+def _matmul_cpu(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    lead = x.shape[:-1]
+    rows = math.prod(lead)
     if cpu_gemm.use_for(rows, w.dtype, x.dtype):
         nt = spec == _NT
         out = cpu_gemm.small_gemm(x.reshape(rows, x.shape[-1]), w, nt)
         return out.reshape(*lead, out.shape[-1])
-    if rows == 1 and w.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+    if rows == 1 and w.dtype == jnp.bfloat16:
         x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
         out = jnp.einsum(spec.replace("...", "m"), x2, w, preferred_element_type=jnp.float32)
         return out[:1].reshape(*lead, out.shape[-1])
-    if spec == _NT and jax.default_backend() == "cpu":
+    if spec == _NT:
         # A tied LM head over [B, T] rows as one [B*T, D] x [V, D]^T product: as a 3-D einsum
         # XLA:CPU lays w out transposed, a [D, V] copy made once per `generate` call.
         out = jnp.einsum("md,vd->mv", x.reshape(rows, x.shape[-1]), w,
                          preferred_element_type=jnp.float32)
         return out.reshape(*lead, out.shape[-1])
-    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+    return _matmul_xla(spec, x, w)
 
 
 _NT = "...d,vd->...v"
@@ -247,7 +259,7 @@ class Attend:
     new tokens under the chain (parents None) or tree (`parents` i32[T] | i32[B, T]) mask.
     """
 
-    use_pallas: bool
+    pallas_on: frozenset[str]  # platforms ("cpu" | "gpu" | "tpu") that run the Pallas kernel
     mask: jax.Array | None  # bool[B, T, S] (XLA path)
     lengths: jax.Array  # i32[B] committed prefix per row
     parents: jax.Array | None = None  # i32[T] | i32[B, T] | None (chain) (Pallas path)
@@ -267,23 +279,36 @@ def attend(at: Attend, q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array,
     """Write the new k, v [B, T, KV, hd] at slots lengths + t of the cache buffers ck, cv
     dtype[B, KV, S, hd] and attend to it: (attn q's dtype[B, T, H, hd], ck, cv). With
     `at.new_mask` set, ck and cv come back unwritten."""
+    if not at.pallas_on:
+        return _attend_xla(at, q, k, v, ck, cv)
+    # The Pallas kernel or XLA attention, for the platform the program is compiled for.
+    branch = {p: (functools.partial(_attend_pallas, at, p) if p in at.pallas_on
+                  else functools.partial(_attend_xla, at)) for p in platforms.PLATFORMS}
+    return platforms.choose(q, k, v, ck, cv, **branch)
+
+
+def _attend_pallas(at: Attend, platform: str, q: jax.Array, k: jax.Array, v: jax.Array,
+                   ck: jax.Array, cv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    # Cascade form: the committed prefix is read from the cache, the T new tokens from
+    # k/v directly (the new K/V are written after). Under a mesh the kernel runs per
+    # device (shard_map) with specs from the logical-axis rules table.
     b, t = q.shape[:2]
-    if at.use_pallas:
-        # Cascade form: the committed prefix is read from the cache, the T new tokens from
-        # k/v directly (the new K/V are written after). Under a mesh the kernel runs per
-        # device (shard_map) with specs from the logical-axis rules table.
-        parents = (jnp.arange(t, dtype=jnp.int32) - 1 if at.parents is None
-                   else jnp.asarray(at.parents, jnp.int32))
-        parents = jnp.broadcast_to(parents, (b, t))
-        qa, kva = ("batch", None, "heads", None), ("batch", None, "kv_heads", None)
-        cache_a = ("batch", "kv_heads", None, None)
-        rk, rv = from_storage(ck, q.dtype), from_storage(cv, q.dtype)
-        attn = shard_kernel(tree_attention,
-                            (qa, cache_a, cache_a, ("batch",), kva, kva, ("batch", None)), qa)(
-            q, rk, rv, at.lengths, k.astype(rk.dtype), v.astype(rv.dtype), parents)
-        if not at.writes:
-            return attn, ck, cv
-        return attn, write_slots(ck, k, at.lengths), write_slots(cv, v, at.lengths)
+    parents = (jnp.arange(t, dtype=jnp.int32) - 1 if at.parents is None
+               else jnp.asarray(at.parents, jnp.int32))
+    parents = jnp.broadcast_to(parents, (b, t))
+    qa, kva = ("batch", None, "heads", None), ("batch", None, "kv_heads", None)
+    cache_a = ("batch", "kv_heads", None, None)
+    rk, rv = from_storage(ck, q.dtype), from_storage(cv, q.dtype)
+    attn = shard_kernel(functools.partial(tree_attention, platform=platform),
+                        (qa, cache_a, cache_a, ("batch",), kva, kva, ("batch", None)), qa)(
+        q, rk, rv, at.lengths, k.astype(rk.dtype), v.astype(rv.dtype), parents)
+    if not at.writes:
+        return attn, ck, cv
+    return attn, write_slots(ck, k, at.lengths), write_slots(cv, v, at.lengths)
+
+
+def _attend_xla(at: Attend, q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array,
+                cv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     n = ck.shape[2] if at.slots is None else at.slots
     if not at.writes:
         return attention(q, from_storage(ck[:, :, :n], q.dtype),

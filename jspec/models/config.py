@@ -6,7 +6,6 @@ import dataclasses
 import math
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -88,10 +87,6 @@ class ModelConfig:
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    def resolved_attention_impl(self) -> str:
-        """"xla" or "pallas": `attention_impl` with "auto" resolved for the default backend."""
-        return resolve_attention_impl(self.attention_impl)
-
     def replace(self, **kw: Any) -> ModelConfig:
         return dataclasses.replace(self, **kw)
 
@@ -119,24 +114,24 @@ class ModelConfig:
         return inv.astype(np.float32)
 
 
-# Backends where "auto" picks the Pallas kernel: TPU (Mosaic kernel) and GPU (Mosaic GPU kernel,
+# Platforms where "auto" picks the Pallas kernel: TPU (Mosaic kernel) and GPU (Mosaic GPU kernel,
 # which passed `python -m pallas_kernels.bench` on an H200, docs/BENCHMARKS.md). On a GPU, "auto"
 # still takes the XLA path for a step the GPU kernel does not take (float32, head_dim not 64/128,
 # more than 64 new tokens, capacity not a multiple of 64): see `llama.forward`.
 AUTO_PALLAS_BACKENDS = ("tpu", "gpu")
 
 
-def resolve_attention_impl(impl: str, backend: str | None = None) -> str:
-    """"xla" or "pallas" for `impl` in ("auto", "xla", "pallas").
+def resolve_attention_impl(impl: str, backend: str) -> str:
+    """"xla" or "pallas" for `impl` in ("auto", "xla", "pallas") in a program compiled for
+    `backend` ("cpu" | "gpu" | "tpu": the platform of the program's devices, never the host's).
 
-    Args:
-      impl: the requested implementation.
-      backend: "cpu" | "gpu" | "tpu"; default `jax.default_backend()`.
     Returns:
       "pallas" for "pallas", and for "auto" on a backend in AUTO_PALLAS_BACKENDS; else "xla".
     """
     if impl not in ATTENTION_IMPLS:
         raise JspecError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    if backend not in ("cpu", "gpu", "tpu"):
+        raise JspecError(f"backend must be 'cpu', 'gpu' or 'tpu', got {backend!r}")
     if impl != "auto":
         return impl
-    return "pallas" if (backend or jax.default_backend()) in AUTO_PALLAS_BACKENDS else "xla"
+    return "pallas" if backend in AUTO_PALLAS_BACKENDS else "xla"

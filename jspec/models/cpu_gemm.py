@@ -152,9 +152,10 @@ def _multi_device_context() -> bool:
 
 def use_for(rows: int, dtype: jnp.dtype, x_dtype: jnp.dtype | None = None) -> bool:
     """Whether a product of `rows` rows of `x_dtype` against a `dtype` weight takes the kernel
-    (static)."""
+    (static), in a program compiled for CPU: callers ask this only inside the CPU branch of
+    `jspec.platforms.choose`, never from the host's backend."""
     mode = _mode()
-    if mode == "0" or jax.default_backend() != "cpu" or _multi_device_context():
+    if mode == "0" or _multi_device_context():
         return False
     if dtype not in (jnp.float32, jnp.bfloat16) or rows > MAX_ROWS or rows < 1:
         return False

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec import platforms
 from jspec.models.blocks import (
     Attend,
     Heads,
@@ -25,7 +26,7 @@ from jspec.models.blocks import (
     rope_angles,
 )
 from jspec.models.cache import KVCache
-from jspec.models.config import ModelConfig
+from jspec.models.config import ModelConfig, resolve_attention_impl
 from jspec.sharding import logical
 from pallas_kernels.tree_attention import gpu_kernel_supports
 
@@ -150,7 +151,9 @@ def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions:
 
     `config.attention_impl` picks the attention: "xla" (dense mask over the whole cache) or
     "pallas" (`pallas_kernels.tree_attention`, cascade prefix + tree; interpret mode on CPU) for
-    steps of at most PALLAS_MAX_NEW_TOKENS new tokens; "auto" is pallas on TPU, else xla.
+    steps of at most PALLAS_MAX_NEW_TOKENS new tokens; "auto" is pallas on TPU and GPU (where
+    the GPU kernel applies), xla on CPU — for the platform the program is compiled for
+    (`jspec.platforms`), not the host's.
 
     Returns:
       ForwardOutput with logits f32[B, T, V], the cache (lengths unchanged), hidden states.
@@ -161,25 +164,24 @@ def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions:
     x = embed_rows(weights.embed, tokens, config.jnp_dtype)  # [B, T, D]
     if slots is not None and not t <= slots <= cache.capacity:
         raise ValueError(f"slots={slots} must lie in [{t} new tokens, {cache.capacity} capacity]")
-    use_pallas = config.resolved_attention_impl() == "pallas" and t <= PALLAS_MAX_NEW_TOKENS
-    if use_pallas and config.attention_impl == "auto" and jax.default_backend() == "gpu":
-
-        # "auto" on a GPU: the Mosaic GPU kernel where it applies, XLA elsewhere (an explicit
-        # "pallas" outside the kernel's limits raises its clear error instead).
-        use_pallas = gpu_kernel_supports(t, config.head_dim, cache.capacity, config.jnp_dtype)
+    pallas_on = pallas_platforms(config, t, cache.capacity)
+    tgt = platforms.target()
+    # XLA masks only where some platform this program may be lowered for attends with XLA.
+    xla_somewhere = (tgt not in pallas_on) if tgt else len(pallas_on) < len(platforms.PLATFORMS)
     if write_cache:
-        att_mask = None if use_pallas else attention_mask(cache.lengths, t,
-                                                          slots or cache.capacity, mask)
+        att_mask = attention_mask(cache.lengths, t, slots or cache.capacity,
+                                  mask) if xla_somewhere else None
         new_mask = None
     else:  # committed slots through the cache, the new tokens apart
-        att_mask = None if use_pallas else jnp.broadcast_to(
+        att_mask = jnp.broadcast_to(
             jnp.arange(slots or cache.capacity, dtype=jnp.int32)[None, None, :]
-            < cache.lengths[:, None, None], (cache.batch, t, slots or cache.capacity))
+            < cache.lengths[:, None, None],
+            (cache.batch, t, slots or cache.capacity)) if xla_somewhere else None
         new_mask = (tree_ancestors(mask.parents) if isinstance(mask, Tree)
                     else jnp.tril(jnp.ones((t, t), bool)))
         new_mask = new_mask if new_mask.ndim == 3 else new_mask[None]
     at = Attend(
-        use_pallas=use_pallas,
+        pallas_on=pallas_on,
         mask=att_mask,
         lengths=cache.lengths,
         parents=jnp.asarray(mask.parents, jnp.int32) if isinstance(mask, Tree) else None,
@@ -209,6 +211,21 @@ def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions:
     return ForwardOutput(logits=logits,
                          cache=dataclasses.replace(cache, k=tuple(new_k), v=tuple(new_v)),
                          hidden=hidden, final_hidden=h, new_kv=new_kv)
+
+
+def pallas_platforms(config: ModelConfig, t: int, capacity: int) -> frozenset[str]:
+    """The platforms on which a forward of `t` new tokens over a cache of `capacity` slots runs
+    the Pallas attention kernel (`config.attention_impl`; XLA attention elsewhere)."""
+    if t > PALLAS_MAX_NEW_TOKENS:
+        return frozenset()
+    on = {p for p in platforms.PLATFORMS
+          if resolve_attention_impl(config.attention_impl, p) == "pallas"}
+    if config.attention_impl == "auto" and not gpu_kernel_supports(t, config.head_dim, capacity,
+                                                                   config.jnp_dtype):
+        # "auto" on a GPU: the Mosaic GPU kernel where it applies, XLA elsewhere (an explicit
+        # "pallas" outside the kernel's limits raises its clear error instead).
+        on.discard("gpu")
+    return frozenset(on)
 
 
 def init_weights(config: ModelConfig, key: jax.Array, scale: float = 0.02) -> Weights:

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels._platform import dispatch
 from pallas_kernels.relaxed_acceptance.decide import (
     BIG_INDEX,
     MASK_VALUE,
@@ -296,7 +297,8 @@ def _common(draft, valid, w, uniforms, b, k):
     return x, ok, u, wv
 
 
-@functools.partial(jax.jit, static_argnames=("temperature", "block_v", "block_b", "interpret"))
+@functools.partial(jax.jit, static_argnames=("temperature", "block_v", "block_b", "interpret",
+                                             "platform"))
 def relaxed_acceptance(
     target_logits: jax.Array,  # f32|bf16[B, K+1, V] raw target logits
     draft: jax.Array,  # i32[B, K]
@@ -310,6 +312,7 @@ def relaxed_acceptance(
     block_v: int | None = None,
     block_b: int | None = None,
     interpret: bool | None = None,
+    platform: str | None = None,
 ) -> Acceptance:
     """Acceptance of K drafted tokens and the next token, fused over vocabulary tiles (Pallas).
 
@@ -330,20 +333,31 @@ def relaxed_acceptance(
       block_b: static tuning knob; batch rows per grid step (must divide B). Default from the
         tuning table: 1 on a device (the residual pass then reads only position n), up to 256
         in interpret mode (whose cost is per grid step).
-      interpret: static; Pallas interpret mode. Default: True on CPU, False elsewhere. Not
-        interpreted on a GPU backend, the Mosaic GPU kernels (`kernel_mgpu.py`) run; there
+      interpret: static; Pallas interpret mode. Default: True in a program compiled for CPU,
+        False elsewhere. Not interpreted on a GPU, the Mosaic GPU kernels (`kernel_mgpu.py`) run;
+        there
         `block_v` must be a multiple of 512 (default `pick_block_v_gpu`) and `block_b` is read as
         the number of vocabulary splits per row (default: about 264 CTAs in all).
+      platform: static; "cpu" | "gpu" | "tpu", the platform the calling program is compiled
+        for. None: decided when the program is lowered (`lax.platform_dependent`), never from
+        the host's default backend.
 
     Returns:
       Acceptance(n_accepted i32[B], next_token i32[B], accept_prob f32[B, K]).
     """
     _check_inputs(target_logits, draft, q, valid, w, uniforms, gumbel, temperature)
+    return dispatch(lambda mode: _relaxed_acceptance(
+        target_logits, draft, q, valid, w, uniforms, gumbel, temperature, block_v, block_b,
+        mode), interpret, platform)
+
+
+def _relaxed_acceptance(target_logits, draft, q, valid, w, uniforms, gumbel, temperature,
+                        block_v, block_b, mode: str) -> Acceptance:
+    """`relaxed_acceptance` in one mode ("interpret" | "gpu" | "tpu")."""
     b, k1, v = target_logits.shape
     k = k1 - 1
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
-    if not interpret and jax.default_backend() == "gpu":
+    interpret = mode == "interpret"
+    if mode == "gpu":
         x, ok, u, wv = _common(draft, valid, w, uniforms, b, k)
         n, tok, prob = relaxed_acceptance_mgpu(
             target_logits, x, q, ok, u, wv, gumbel, temperature=float(temperature),

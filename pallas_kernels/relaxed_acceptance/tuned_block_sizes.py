@@ -7,7 +7,7 @@ starting points (a [K+1, block_v] float32 tile of a few hundred KiB, a multiple 
 
 from __future__ import annotations
 
-import jax
+from pallas_kernels import _platform
 
 # device kind substring -> block_v. First match wins; "" matches all.
 TUNED_BLOCK_V: dict[str, int] = {
@@ -26,7 +26,7 @@ def pick_block_v(vocab: int, device_kind: str | None = None) -> int:
     Returns:
       block_v (a multiple of 128); the last tile may overhang V (the kernel masks it).
     """
-    kind = jax.devices()[0].device_kind if device_kind is None else device_kind
+    kind = _platform.device_kind() if device_kind is None else device_kind
     want = next(v for k, v in TUNED_BLOCK_V.items() if k in kind)
     return min(want, -(-vocab // 128) * 128)
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels._platform import dispatch
 from pallas_kernels.tree_attention.kernel_mgpu import MASK_VALUE, tree_attention_mgpu
 from pallas_kernels.tree_attention.tuned_block_sizes import pick_block_kv, pick_block_kv_gpu
 
@@ -54,9 +55,16 @@ def _node_rows(num_nodes: int, group: int) -> jax.Array:
     return ((r >= t * group) & (r < (t + 1) * group)).astype(jnp.float32)
 
 
+def _precision(a: jax.Array) -> jax.lax.Precision | None:
+    # A bfloat16 product says its precision: under jax_default_matmul_precision="highest" Mosaic
+    # would get fp32 contract precision for bfloat16 operands and refuse it ("Bad lhs type").
+    return jax.lax.Precision.DEFAULT if a.dtype == jnp.bfloat16 else None
+
+
 def _nt_dot(a: jax.Array, b: jax.Array) -> jax.Array:
     """f32[M, N] = a[M, d] @ b[N, d]^T, accumulated in float32."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(a),
+                               preferred_element_type=jnp.float32)
 
 
 def tree_attention_kernel(
@@ -85,7 +93,9 @@ def tree_attention_kernel(
     # even for a row whose prefix is empty.
     @pl.when(j == 0)
     def _tree():
-        s = _nt_dot(q, k_new_ref[...]) * sm_scale  # f32[T*G, T]
+        # In float32: the tree block is small (T nodes), and Mosaic fails to verify a bfloat16
+        # product this thin (a decode step: T = 1) on TPU.
+        s = _nt_dot(q.astype(jnp.float32), k_new_ref[...].astype(jnp.float32)) * sm_scale  # f32[T*G, T]
         anc = _ancestor_mask(parents_ref[...], num_nodes).astype(jnp.float32)
         visible = jnp.dot(_node_rows(num_nodes, group), anc,
                           preferred_element_type=jnp.float32) > 0.5  # [T*G, T]
@@ -94,7 +104,7 @@ def tree_attention_kernel(
         p = jnp.exp(s - m)
         m_ref[...] = m
         l_ref[...] = jnp.sum(p, axis=1, keepdims=True)
-        acc_ref[...] = jnp.dot(p.astype(v_new_ref.dtype), v_new_ref[...],
+        acc_ref[...] = jnp.dot(p, v_new_ref[...].astype(jnp.float32),
                                preferred_element_type=jnp.float32)
 
     # Tiles wholly beyond the prefix are skipped (and their DMA elided: the index map repeats
@@ -115,6 +125,7 @@ def tree_attention_kernel(
         m_ref[...] = m_new
         l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
         acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p.astype(v.dtype), v,
+                                                      precision=_precision(v),
                                                       preferred_element_type=jnp.float32)
 
     @pl.when(j == pl.num_programs(2) - 1)
@@ -160,7 +171,7 @@ def _parents_2d(parents: jax.Array | None, batch: int, num_nodes: int) -> jax.Ar
     return jnp.broadcast_to(parents, (batch, num_nodes))
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "interpret", "platform"))
 def tree_attention(
     q: jax.Array,  # dtype[B, T, H, hd]
     k_cache: jax.Array,  # dtype[B, KV, S, hd]
@@ -173,6 +184,7 @@ def tree_attention(
     sm_scale: float | None = None,
     block_kv: int | None = None,
     interpret: bool | None = None,
+    platform: str | None = None,
 ) -> jax.Array:  # dtype[B, T, H, hd]
     """Attention of T tree nodes to each row's cached prefix plus their ancestors (Pallas).
 
@@ -187,17 +199,27 @@ def tree_attention(
       sm_scale: static; score scale, default 1/sqrt(hd).
       block_kv: static tuning knob; prefix slots per tile. Default from the tuning table
         (`tuned_block_sizes.pick_block_kv`); it must divide S.
-      interpret: static; run the kernel in Pallas interpret mode. Default: True on CPU (the
-        only way a Pallas kernel runs there), False elsewhere. Not interpreted on a GPU backend,
-        the Mosaic GPU kernel (`kernel_mgpu.py`) runs: bfloat16/float16, head_dim % 64 == 0,
-        T <= 64, block_kv a multiple of 64 (default from `pick_block_kv_gpu`).
+      interpret: static; run the kernel in Pallas interpret mode. Default: True in a program
+        compiled for CPU (the only way a Pallas kernel runs there), False elsewhere. Not
+        interpreted on a GPU, the Mosaic GPU kernel (`kernel_mgpu.py`) runs: bfloat16/float16,
+        head_dim % 64 == 0, T <= 64, block_kv a multiple of 64 (default `pick_block_kv_gpu`).
+      platform: static; "cpu" | "gpu" | "tpu", the platform the calling program is compiled
+        for. None: decided when the program is lowered (`lax.platform_dependent`), never
+        from the host's default backend.
 
     Returns:
       The attention output, dtype of q; scores, softmax and accumulation in float32.
     """
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
-    on_gpu = not interpret and jax.default_backend() == "gpu"
+    return dispatch(lambda mode: _tree_attention(q, k_cache, v_cache, lengths, k_new, v_new,
+                                                 parents, sm_scale, block_kv, mode),
+                    interpret, platform)
+
+
+def _tree_attention(q, k_cache, v_cache, lengths, k_new, v_new, parents, sm_scale, block_kv,
+                    mode: str) -> jax.Array:
+    """`tree_attention` in one mode ("interpret" | "gpu" | "tpu")."""
+    interpret = mode == "interpret"
+    on_gpu = mode == "gpu"
     _check_inputs(q, k_cache, v_cache, lengths, k_new, v_new, parents, allow_f16=on_gpu)
     b, t, h, hd = q.shape
     kv, s = k_cache.shape[1], k_cache.shape[2]
@@ -214,8 +236,11 @@ def tree_attention(
 
     # The cache is head-major: a (tile, hd) block of [B, KV, S, hd] is one head's keys, read
     # contiguously (head_dim, the full last dimension, on the lane axis).
-    kn = k_new.reshape(b, t, kv * hd)
-    vn = v_new.reshape(b, t, kv * hd)
+    # New K/V head-major too, [B, KV, T, hd]: a (T, hd) block is then the whole of its last
+    # two dimensions, which Mosaic takes for any T and head_dim (a (T, hd) block of
+    # [B, T, KV*hd] needs hd % 128 == 0 on TPU).
+    kn = k_new.transpose(0, 2, 1, 3)
+    vn = v_new.transpose(0, 2, 1, 3)
     # Queries are small (T nodes): regroup them as [B, KV, T*G, hd], row r = t*G + g.
     qg = q.reshape(b, t, kv, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, kv, t * g, hd)
     par = _parents_2d(parents, b, t)[..., None]  # i32[B, T, 1]
@@ -234,8 +259,8 @@ def tree_attention(
             pl.BlockSpec((sq, sq, t * g, hd), lambda bi, hi, ji, _: (bi, hi, 0, 0)),
             pl.BlockSpec((sq, sq, bk, hd), kv_map),
             pl.BlockSpec((sq, sq, bk, hd), kv_map),
-            pl.BlockSpec((sq, t, hd), lambda bi, hi, ji, _: (bi, 0, hi)),
-            pl.BlockSpec((sq, t, hd), lambda bi, hi, ji, _: (bi, 0, hi)),
+            pl.BlockSpec((sq, sq, t, hd), lambda bi, hi, ji, _: (bi, hi, 0, 0)),
+            pl.BlockSpec((sq, sq, t, hd), lambda bi, hi, ji, _: (bi, hi, 0, 0)),
             pl.BlockSpec((sq, t, 1), lambda bi, hi, ji, _: (bi, 0, 0)),
         ],
         out_specs=pl.BlockSpec((sq, sq, t * g, hd), lambda bi, hi, ji, _: (bi, hi, 0, 0)),

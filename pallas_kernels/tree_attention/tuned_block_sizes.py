@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
+
+from pallas_kernels import _platform
 
 # (device kind substring, dtype name) -> preferred block_kv. First match wins; "" matches all.
 TUNED_BLOCK_KV: dict[tuple[str, str], int] = {
@@ -24,10 +25,7 @@ TUNED_BLOCK_KV: dict[tuple[str, str], int] = {
 
 
 def _device_kind() -> str:
-    try:
-        return jax.devices()[0].device_kind
-    except RuntimeError:  # no device initialised (should not happen under jit)
-        return ""
+    return _platform.device_kind()
 
 
 def pick_block_kv(capacity: int, dtype: Any, device_kind: str | None = None) -> int:
