@@ -88,8 +88,9 @@ def choose(*args: Any, default: Callable[..., Any] | None = None, cpu: Callable[
            gpu: Callable[..., Any] | None = None, tpu: Callable[..., Any] | None = None) -> Any:
     """`branch(*args)` for the platform the program runs on (`default` where none is given;
     with no default that is an error). Branches must return the same shapes and dtypes. With
-    no known `target()`, a branch whose trace-time checks refuse these inputs (a kernel's ValueError) is left out: lowering for
-    its platform is then an error, and the other platforms are unaffected."""
+    no known `target()`, a branch whose trace-time checks refuse these inputs (a kernel's
+    ValueError) is left out: lowering for its platform is then an error, and the other
+    platforms are unaffected."""
     branches = {"cpu": cpu, "gpu": gpu, "tpu": tpu}
     t = target()
     if t is not None:
