@@ -50,7 +50,8 @@ def _add_impl_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m jspec", description="jspec: JAX-native speculative decoding.")
+        prog="python -m jspec", description="jspec: JAX-native speculative decoding. Also: "
+        "`python -m jspec aot --help`, a TPU report compiled here before renting a slice.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt or a JSONL file of prompts",
@@ -513,6 +514,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["aot"]:  # its own parser: jspec/aot/__main__.py
+        from jspec.aot.__main__ import main as aot  # noqa: PLC0415
+
+        return aot(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":

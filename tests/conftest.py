@@ -33,6 +33,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "1"
+# libtpu (the `tpu` extra, for compile checks) locks the host's TPU chips per process; here it
+# only compiles, and pytest-xdist runs two processes.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # A developer's own `jspec calibrate --save` records must not change what the tests run.
 os.environ["JSPEC_DEFAULTS"] = os.path.join(os.path.dirname(__file__), "fixtures",
                                             "no-user-defaults.json")

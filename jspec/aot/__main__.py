@@ -1,0 +1,66 @@
+"""`python -m jspec aot`: a TPU report before renting a slice (compiled here, times modelled)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from jspec.errors import JspecError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jspec aot",
+        description="Compile a model's decode step and verify forwards for a TPU slice with the "
+                    "TPU compiler (libtpu: pip install -e '.[tpu]'; no TPU needed) and abstract "
+                    "weights, and report per chip: compile ok / error and time (measured here), "
+                    "HBM against the chip, bytes accessed and flops, and times MODELLED with a "
+                    "roofline from published chip facts (jspec/aot/chips.py).")
+    p.add_argument("--model", default="llama-3.1-8b",
+                   help="llama-3.1-8b (default), llama-3.1-70b, qwen3-8b, or an HF config.json "
+                        "(or a directory holding one)")
+    p.add_argument("--topology", default="v5e:2x4",
+                   help="TPU slice, e.g. v5e:1x1, v5e:2x4 (default), v5e:4x4, v6e:1x1, v5p:2x2x2")
+    p.add_argument("--model-parallel", type=int, default=None,
+                   help="chips per tensor-parallel group (default: every chip of the slice)")
+    p.add_argument("--batch", type=int, default=1, help="rows per step (default 1)")
+    p.add_argument("--context", type=int, default=4096, help="KV-cache slots (default 4096)")
+    p.add_argument("--nodes", default="1,2,4,8,16,32,64",
+                   help="verify widths T = K + 1 to compile (default 1,2,4,8,16,32,64)")
+    p.add_argument("--no-trees", action="store_true", help="chains only (no tree forwards)")
+    p.add_argument("--tau", type=float, default=2.5,
+                   help="mean tokens per round for the modelled speedup (default 2.5)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--json-out", type=Path, default=None, help="write the report as JSON here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # Compiling only: several processes may load libtpu at once (it locks a TPU host's chips).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jspec.aot.report import report, table  # noqa: PLC0415 (after the environment)
+
+    try:
+        nodes = tuple(sorted({int(x) for x in args.nodes.split(",")} | {1}))
+        rep = report(args.model, args.topology, batch=args.batch, context=args.context,
+                     nodes=nodes, trees=not args.no_trees, tau=args.tau,
+                     model_parallel=args.model_parallel, dtype=args.dtype,
+                     progress=lambda c: print(f"  compiled {c.name}: "
+                                              f"{'ok' if c.ok else 'FAILED'} in {c.compile_s:.1f} s",
+                                              file=sys.stderr, flush=True))
+    except JspecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(table(rep))
+    if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(rep, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

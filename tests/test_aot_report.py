@@ -1,0 +1,81 @@
+"""`python -m jspec aot`: the TPU report, compiled here with libtpu (fast shapes; 8B / 70B are
+`-m slow`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+if importlib.util.find_spec("libtpu") is None:
+    if os.environ.get("CI"):
+        raise RuntimeError("libtpu is missing: .ci/run installs the 'tpu' extra")
+    pytest.skip("libtpu not installed (pip install -e '.[tpu]')", allow_module_level=True)
+
+from jspec.aot import CHIPS, model_config, report, table
+from jspec.cli import main
+from jspec.errors import JspecError
+
+SMALL = {"model_type": "llama", "vocab_size": 2048, "hidden_size": 512, "intermediate_size": 1024,
+         "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+         "head_dim": 64, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+         "tie_word_embeddings": False, "max_position_embeddings": 4096}
+
+
+@pytest.fixture
+def small_config(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(SMALL))
+    return str(p)
+
+
+def test_report_small_model_on_one_chip(small_config):
+    rep = report(small_config, "v5e:1x1", batch=2, context=1024, nodes=(1, 4, 16), trees=True)
+    rows = {(r["t"], r["tree"]): r for r in rep["programs"]}
+    assert set(rows) == {(1, False), (4, False), (16, False), (4, True), (16, True)}
+    assert all(r["ok"] and r["fits"] for r in rows.values())
+    # The weights are the arguments: 2 layers of bf16 matrices + embeddings + head.
+    w = 2 * (2048 * 512 * 2) + 2 * 2 * (512 * 512 + 2 * 512 * 128 + 512 * 512 + 3 * 512 * 1024)
+    assert abs(rep["weights_bytes_per_chip"] - w) < 0.01 * w
+    ar = rows[(1, False)]
+    assert ar["bytes_accessed"] >= rep["weights_bytes_per_chip"]  # a step reads its weights
+    assert ar["mosaic_calls"] > 0  # attention "auto" on TPU: the Mosaic kernel
+    assert rows[(16, False)]["c_modelled"] >= 1.0
+    assert rep["largest_batch_at_context"] >= 2
+    text = table(rep)
+    assert "MODELLED" in text and "chain forward T=16" in text
+
+
+def test_cli_writes_json_and_refuses_unknown_inputs(small_config, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["aot", "--model", small_config, "--topology", "v5e:1x1", "--nodes", "2",
+                 "--no-trees", "--context", "512", "--json-out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert [r["t"] for r in rep["programs"]] == [1, 2]
+    assert rep["chip"]["hbm_bytes"] == CHIPS["v5e"].hbm_bytes
+    assert main(["aot", "--model", "no-such-model", "--topology", "v5e:1x1"]) == 2
+    assert "no model" in capsys.readouterr().err
+    with pytest.raises(JspecError, match="generation"):
+        report(small_config, "v9z:1x1")
+
+
+def test_shipped_architectures_parse():
+    c = model_config("llama-3.1-8b")
+    assert (c.num_layers, c.hidden_size, c.num_kv_heads, c.vocab_size) == (32, 4096, 8, 128256)
+    assert model_config("qwen3-8b").qk_norm
+    assert model_config("llama-3.1-70b").num_layers == 80
+
+
+@pytest.mark.slow
+def test_llama_8b_on_v5e_2x4_fits_and_reads_near_its_floor():
+    rep = report("llama-3.1-8b", "v5e:2x4", batch=8, context=4096, nodes=(1, 17), trees=False)
+    assert all(r["ok"] and r["fits"] for r in rep["programs"])
+    assert rep["ar_bytes_over_floor"] < 2.0
+
+
+@pytest.mark.slow
+def test_llama_70b_compiles_on_16_chips_over_4_hosts():
+    rep = report("llama-3.1-70b", "v5e:4x4", batch=1, context=4096, nodes=(1,), trees=False)
+    assert rep["chips"] == 16 and all(r["ok"] and r["fits"] for r in rep["programs"])
