@@ -30,6 +30,7 @@ dimension is replicated (correct, only less memory-efficient). Example: SmolLM2-
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -157,7 +158,18 @@ def using(mesh: Mesh | None) -> Iterator[None]:
             yield
         return
     _check_not_explicit()
-    yield
+    # The context mesh cannot change inside a trace; `shard_kernel` reads this one instead, so
+    # a Pallas call under `generate(mesh=...)` in a user's jit still runs per device (Mosaic
+    # kernels cannot be partitioned automatically).
+    tok = _KERNEL_MESH.set(mesh)
+    try:
+        yield
+    finally:
+        _KERNEL_MESH.reset(tok)
+
+
+_KERNEL_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("jspec_kernel_mesh",
+                                                                           default=None)
 
 
 def _check_not_explicit() -> None:
@@ -465,6 +477,8 @@ def shard_kernel(fn: Callable[..., Any], in_axes: Any, out_axes: Any, *,
 
     def call(*args: Any) -> Any:
         m = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+        if (m is None or m.empty) and mesh is None:
+            m = _KERNEL_MESH.get()
         if m is None or m.empty or m.size == 1:
             return fn(*args)
         out_shapes = jax.eval_shape(fn, *args)

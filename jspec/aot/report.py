@@ -154,13 +154,13 @@ def step_program(s: Setup, t: int, tree: bool = False) -> Compiled:
     cfg = s.config
 
     def step(w, tokens, positions, cache):
-        with sharding.using(s.mesh):
-            out = forward(cfg, w, tokens, positions, cache, mask=mask)
+        out = forward(cfg, w, tokens, positions, cache, mask=mask)
         return out.logits, out.cache
 
     del rep
     name = f"{'tree' if tree else 'chain'} forward T={t}"
-    return compile_program(name, step, (s.weights, toks, pos, s.cache), donate=(3,))
+    with sharding.using(s.mesh):  # the context mesh: Pallas calls run per device (shard_map)
+        return compile_program(name, step, (s.weights, toks, pos, s.cache), donate=(3,))
 
 
 def largest_batch(s: Setup, chip: Chip, step: Compiled) -> int:
