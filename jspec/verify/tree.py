@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jspec.models.llama import tree_ancestors
 from jspec.sampling import (
@@ -30,6 +31,8 @@ from jspec.sampling import (
     sample_from_probs,
 )
 from pallas_kernels.relaxed_acceptance.decide import RESIDUAL_EPS, accept_sampled
+
+_TINY = float(np.finfo(np.float32).tiny)  # float32's smallest normal, 1.2e-38
 
 
 def walk(tokens: jax.Array, parents: jax.Array, depth: jax.Array, valid: jax.Array,
@@ -97,10 +100,18 @@ def verify_tree_drawn(key: jax.Array, tokens: jax.Array, parents: jax.Array, val
     speculative sampling applied recursively; for children drawn without replacement, Jeon et
     al. 2024, "Recursive Speculative Decoding").
 
-    A node whose q row gives its own token no mass was not drawn from it: it is a deterministic
-    proposal (a top-k child at T = 0, a looked-up token), i.e. q_i is one-hot at it. A tree of
-    deterministic children only is then verified exactly as the walk would (a child accepted
-    with the residual's probability of its token: the target's sample matches it).
+    A child whose q_i gives its own token no mass is verified as q_i one-hot at it: accepted with
+    p(c_i), and on a rejection p loses c_i. That is exact whatever proposed c_i (conditional on
+    any proposed token the emitted one is distributed as p), so it covers a deterministic child
+    (a top-k child at T = 0, a looked-up token: a tree of those is verified as the walk would),
+    a repeated token, and a child drawn from q whose probability underflowed float32: children
+    are drawn from log q, which does not underflow, so a tail draw at low temperature can carry
+    q_i(c_i) = 0 (an entry below float32's smallest normal, 1.2e-38, counts as 0). Such a child
+    is still verified exactly. Given that c_i is one of the tokens q_i gives mass, it is
+    distributed as q_i (the draw renormalised over them), and the usual rule emits law p on
+    that event; given that it is one of the others, the one-hot rule emits law p. No mass is
+    lost to the underflow (it is the second event); what is left is float32 rounding of q_i's
+    entries (tests/test_exact_law.py: total variation ≤ 3e-7 at T = 0.05..1).
 
     Args:
       tokens, parents, valid: as in `walk` (node 0 the root).
@@ -166,9 +177,16 @@ def walk_drawn(uniforms: jax.Array, tokens: jax.Array, parents: jax.Array, valid
             ok = has[:, i] & alive & ~taken
             tok = jnp.take_along_axis(tokens, c[:, None], axis=1)[:, 0]
             hot = jnp.arange(v, dtype=jnp.int32)[None] == tok[:, None]  # [B, V]
-            r = one_hot_where_deterministic(dense_q(q[rows, c], q_vocab, v), tok)
-            r = jnp.where(tried, 0.0, r)
-            r = r / jnp.maximum(jnp.sum(r, axis=-1, keepdims=True), 1e-30)
+            # q_i: the row without the tokens already tried here, renormalised. The tried
+            # tokens go first, so a child with no mass left (deterministic, repeated, or a
+            # tail draw whose q underflowed) is one-hot, and Σr ≥ r(c_i) > 0 needs no guard
+            # (a clamp there once left a row with 1.2e-38 < Σr < 1e-30 unnormalised: tail
+            # children accepted almost surely). Entries below float32's smallest normal count
+            # as none: XLA:CPU flushes them anyway, and on a backend that keeps subnormals
+            # their few bits, divided by a tiny Σr, would misstate q_i.
+            r = dense_q(q[rows, c], q_vocab, v)
+            r = one_hot_where_deterministic(jnp.where(tried | (r < _TINY), 0.0, r), tok)
+            r = r / jnp.sum(r, axis=-1, keepdims=True)
             q_x = jnp.sum(jnp.where(hot, r, 0.0), axis=-1)
             p_x = jnp.sum(jnp.where(hot, p, 0.0), axis=-1)
             n_i, _, _, prob = accept_sampled(ok[:, None], u_level[:, i:i + 1], q_x[:, None],
@@ -178,9 +196,10 @@ def walk_drawn(uniforms: jax.Array, tokens: jax.Array, parents: jax.Array, valid
             rej = ok & ~acc
             resid = jnp.maximum(p - r, 0.0)
             mass = jnp.sum(resid, axis=-1, keepdims=True)
-            # A numerically empty residual keeps p (as `verify_chain`'s residual draw does).
-            p = jnp.where(rej[:, None] & (mass > RESIDUAL_EPS), resid / jnp.maximum(mass, 1e-30),
-                          p)
+            # A numerically empty residual keeps p (as `verify_chain`'s residual draw does:
+            # an error of at most RESIDUAL_EPS, the probability of that rejection).
+            upd = rej[:, None] & (mass > RESIDUAL_EPS)
+            p = jnp.where(upd, resid / jnp.where(upd, mass, 1.0), p)
             tried = tried | (ok[:, None] & hot)
             to = jnp.where(acc, c, to)
             taken = taken | acc
