@@ -120,9 +120,13 @@ def sample_from_probs(key: jax.Array, p: jax.Array) -> jax.Array:
 
 def one_hot_where_deterministic(q: jax.Array, tokens: jax.Array) -> jax.Array:
     """f32[..., V]: q over all V with every row that gives its own token (i32[...]) no mass
-    replaced by one-hot at that token. Such a row marks a deterministic slot — a token not
-    drawn from q (a looked-up one, `+ngram`) — which verification treats as q one-hot; a
-    token drawn from q always has mass there."""
+    replaced by one-hot at that token, which verification then treats as a deterministic slot.
+    Such a row marks a token not drawn from q (a looked-up one, `+ngram`), or a token drawn
+    from q whose probability underflowed float32: drafters draw from log-probabilities, so at
+    low temperature a tail token can be drawn with q = 0 in float32. Both are verified exactly:
+    one-hot verification (accept with p(x), else draw from p without x) emits law p whatever
+    proposed x, and the tokens with mass are drawn with probabilities proportional to q
+    (`jspec.verify.tree.verify_tree_drawn`)."""
     hot = jax.nn.one_hot(tokens, q.shape[-1], dtype=q.dtype)
     q_x = jnp.take_along_axis(q, tokens[..., None], axis=-1)
     return jnp.where(q_x <= 0, hot, q)

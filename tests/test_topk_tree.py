@@ -320,9 +320,11 @@ def test_drawn_tree_proposal_errors_and_no_recompile():
         assert len(set(tok[r, :3])) == 3 and len(set(tok[r, 3:6])) == 3
         np.testing.assert_array_equal(q[r, 3], q[r, 4])
         assert not np.allclose(q[r, 3], q[r, 0]) and not np.allclose(q[r, 6], q[r, 3])
-        ids_q = np.asarray(inner.vocab_ids)
-        for t in range(7):  # every drawn token has mass in the row it was drawn from
-            assert q[r, t, np.flatnonzero(ids_q == tok[r, t])[0]] > 0
+        # Each row is a distribution over the draft vocabulary, which holds every drawn token.
+        # (Not that each has mass there: a tail draw at low temperature may have q = 0 in
+        # float32, and is verified one-hot; tests/test_exact_law.py.)
+        np.testing.assert_allclose(q[r].sum(-1), 1.0, rtol=1e-5)
+        assert np.isin(tok[r], np.asarray(inner.vocab_ids)).all()
     again, _ = tree.draft(st.drafter, ctx, 3, t1, jax.random.key(5))
     assert not np.array_equal(np.asarray(again.tokens), tok)
     greedy, _ = tree.draft(st.drafter, ctx, 3, jspec.Sampling(), jax.random.key(1))
