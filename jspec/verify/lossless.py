@@ -7,7 +7,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jspec import platforms
 from jspec.errors import JspecError
 from jspec.sampling import (
     Sampling,
@@ -20,10 +19,7 @@ from jspec.sampling import (
 from jspec.verify.base import Supports, Verifier
 from jspec.verify.tree import verify_tree
 from pallas_kernels.relaxed_acceptance import MIN_TEMPERATURE, relaxed_acceptance
-from pallas_kernels.relaxed_acceptance.decide import accept_sampled, decide_greedy
-
-# Below this residual mass the residual is numerically empty: sample from p instead.
-RESIDUAL_EPS = 1e-8
+from pallas_kernels.relaxed_acceptance.decide import RESIDUAL_EPS, accept_sampled, decide_greedy
 
 ACCEPTANCE_IMPLS = ("xla", "pallas")
 
@@ -113,7 +109,7 @@ def verify_chain_fused(key: jax.Array, draft: jax.Array, q: jax.Array | None,
         u = jax.random.uniform(k_u, (b, k))
         g = jax.random.gumbel(k_s, (b, target_logits.shape[-1]), jnp.float32)
     out = relaxed_acceptance(target_logits, draft, q, valid, w, u, g,
-                             temperature=float(sampling.temperature), platform=platforms.target())
+                             temperature=float(sampling.temperature))
     return out.n_accepted, out.next_token
 
 
@@ -202,7 +198,9 @@ def _decide(u, draft, q, row_ids, z, ok, w):
         q_x = jnp.take_along_axis(q, draft[..., None], axis=-1)[..., 0]
     else:  # the entry whose target id is the draft (0 when the drafter gave it none)
         q_x = jnp.sum(jnp.where(row_ids == draft[..., None], q, 0.0), axis=-1)
-    q_x = jnp.where(q_x <= 0, 1.0, q_x)  # a deterministic slot: q one-hot at the draft
+    # No mass at the draft (a looked-up token, or a tail draw whose q underflowed): verified as
+    # q one-hot at it, here and in the residual's row (`one_hot_where_deterministic`).
+    q_x = jnp.where(q_x <= 0, 1.0, q_x)
     nu_x = p_x if w is None else w * p_x + (1.0 - w) * q_x
     n, row, proposed, prob = accept_sampled(ok, u, q_x, nu_x)
     rows = jnp.arange(b)

@@ -11,7 +11,10 @@ import jax.numpy as jnp
 
 # A large finite negative instead of -inf (no inf - inf = NaN in the running max updates).
 MASK_VALUE = -1e30
-# Below this residual mass the residual is numerically empty: sample from p instead.
+# Below this residual mass the residual is numerically empty: sample from p instead. Its mass
+# is the probability of the rejection that leads there, so this costs at most RESIDUAL_EPS in
+# total variation. The one definition: `jspec.verify` (chains, drawn trees) and every kernel
+# read it from here.
 RESIDUAL_EPS = 1e-8
 BIG_INDEX = 2**30  # larger than any vocabulary index
 # The smallest sampling temperature the kernels take. They divide raw logits by it tile by
@@ -63,11 +66,14 @@ def accept_sampled(valid: jax.Array,  # bool[B, K]
                    qx: jax.Array,  # f32[B, K] draft probability of each drafted token
                    nu_x: jax.Array,  # f32[B, K] the verifier's probability of it (lossless: p)
                    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """The acceptance core of every sampled verification (jspec's jnp path, the reference and
-    the kernels): accept x_i iff u_i·q(x_i) < ν(x_i) (u < ν/q without dividing; q > 0 for any
-    token the drafter could have drawn), up to the first rejection. Returns (n i32[B], row =
-    min(n, K-1) i32[B], proposed bool[B]: position n held a draft, prob f32[B, K] =
-    min(1, ν/q) per valid position)."""
+    """The acceptance core of every sampled verification (jspec's jnp path for chains and
+    drawn trees, the reference and the kernels): accept x_i iff u_i·q(x_i) < ν(x_i) (u < ν/q
+    without dividing, so no q can make it divide by zero), up to the first rejection. Callers
+    pass q(x_i) = 1 where the draft's q gives x_i no mass (a deterministic slot, or a tail draw
+    whose q underflowed float32: verified one-hot, `jspec.sampling.one_hot_where_deterministic`);
+    q(x_i) = 0 here would accept whenever ν(x_i) > 0. Returns (n i32[B], row = min(n, K-1)
+    i32[B], proposed bool[B]: position n held a draft, prob f32[B, K] = min(1, ν/q) per valid
+    position; 1 where q = 0)."""
     b, k = valid.shape
     accept = valid & (u * qx < nu_x)
     prob = jnp.where(valid, jnp.where(qx > 0, jnp.minimum(1.0, nu_x / jnp.where(qx > 0, qx, 1.0)),
