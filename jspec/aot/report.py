@@ -21,6 +21,7 @@ import numpy as np
 
 from jspec import sharding
 from jspec.aot.chips import Chip, chip_of, tpu_mesh
+from jspec.aot.hlo import hbm_traffic
 from jspec.errors import JspecError
 from jspec.models.cache import KVCache
 from jspec.models.config import ModelConfig
@@ -59,7 +60,9 @@ class Compiled:
     temp_bytes: int = 0
     output_bytes: int = 0
     alias_bytes: int = 0
-    bytes_accessed: float = 0.0
+    bytes_accessed: float = 0.0  # the cost analysis's (counts VMEM prefetches again)
+    hbm_bytes_read: float = 0.0  # modelled from the compiled HLO (`jspec.aot.hlo`)
+    hbm_bytes_written: float = 0.0
     flops: float = 0.0
     mosaic_calls: int = 0  # Mosaic (Pallas TPU) kernels in the compiled HLO
 
@@ -69,9 +72,10 @@ class Compiled:
         return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
 
     def modelled_s(self, chip: Chip) -> float:
-        """Roofline time: the larger of bytes / HBM bandwidth and flops / peak (modelled).
-        Mosaic kernels report no flops or bytes to the cost analysis: see the report's note."""
-        return max(self.bytes_accessed / chip.hbm_bytes_per_s, self.flops / chip.bf16_flops_per_s)
+        """Roofline time: the larger of HBM bytes (read + written, from the HLO) / HBM bandwidth
+        and flops / peak (modelled). Mosaic kernels report no flops: see the report's note."""
+        return max((self.hbm_bytes_read + self.hbm_bytes_written) / chip.hbm_bytes_per_s,
+                   self.flops / chip.bf16_flops_per_s)
 
 
 def compile_program(name: str, fn: Any, args: tuple[Any, ...], donate: tuple[int, ...] = ()
@@ -89,9 +93,11 @@ def compile_program(name: str, fn: Any, args: tuple[Any, ...], donate: tuple[int
     if isinstance(cost, list):  # older jax: one dict per module
         cost = cost[0] if cost else {}
     hlo = c.as_text()
+    traffic = hbm_traffic(hlo)
     return Compiled(name, True, "", dt, int(mem.argument_size_in_bytes),
                     int(mem.temp_size_in_bytes), int(mem.output_size_in_bytes),
                     int(mem.alias_size_in_bytes), float(cost.get("bytes accessed", 0.0)),
+                    traffic["hbm_read_bytes"], traffic["hbm_written_bytes"],
                     float(cost.get("flops", 0.0)), hlo.count('custom_call_target="tpu_custom_call"'))
 
 
@@ -120,6 +126,14 @@ class Setup:
     @property
     def weight_bytes(self) -> int:
         return _per_chip_bytes(self.weights)
+
+    @property
+    def step_weight_bytes(self) -> int:
+        """Weight bytes a step must read: all of them but an untied embedding table, of which
+        it gathers only its rows (a tied table is read whole as the LM head)."""
+        if self.config.tie_embeddings:
+            return self.weight_bytes
+        return self.weight_bytes - _per_chip_bytes(self.weights.embed)
 
     def live_kv_bytes(self, filled: int) -> int:
         """Bytes of one chip's KV shards that a step attends to with `filled` slots in use."""
@@ -177,12 +191,14 @@ def report(model: str, topology: str, batch: int = 1, context: int = 4096,
            tau: float = 2.5, model_parallel: int | None = None, dtype: str = "bfloat16",
            progress: Any = None) -> dict[str, Any]:
     """Compile the decode step and the verify forwards of a model on a TPU slice; return the
-    JSON-ready report (every time in it modelled, from `jspec.aot.chips.CHIPS`)."""
+    JSON-ready report (every time in it modelled, from `jspec.aot.chips.CHIPS`). The byte floor
+    of a step: its weights (an untied embedding table only as gathered rows) and the live KV
+    cache, each read once."""
     chip = chip_of(topology)
     cfg = model_config(model, dtype)
     s = setup(cfg, topology, batch, context, model_parallel)
     filled = context - max(nodes) - 1
-    floor = s.weight_bytes + s.live_kv_bytes(filled)
+    floor = s.step_weight_bytes + s.live_kv_bytes(filled)
     rows: list[dict[str, Any]] = []
     progs = [(t, False) for t in nodes] + ([(t, True) for t in nodes if t > 2] if trees else [])
     base = None
@@ -207,12 +223,14 @@ def report(model: str, topology: str, batch: int = 1, context: int = 4096,
         "context": context, "dtype": dtype, "tau": tau,
         "weights_bytes_per_chip": s.weight_bytes, "live_kv_bytes_per_chip": s.live_kv_bytes(filled),
         "byte_floor_per_chip": floor,
-        "ar_bytes_over_floor": (base.bytes_accessed / floor) if base and base.ok else None,
+        "ar_bytes_over_floor": (base.hbm_bytes_read / floor) if base and base.ok else None,
         "largest_batch_at_context": largest_batch(s, chip, base) if base else 0,
         "programs": rows,
         "note": ("modelled: roofline max(bytes/HBM bandwidth, flops/peak) per chip from the TPU "
-                 "compiler's cost analysis; Mosaic kernels (tree attention) report no bytes or "
-                 "flops there, so attention's share is missing from programs that call them. "
+                 "compiled HLO: HBM bytes of each top-level instruction's operands and outputs "
+                 "in memory space 0 (jspec/aot/hlo.py; the cost analysis's 'bytes accessed' also "
+                 "counts VMEM prefetch copies, kept as bytes_accessed), flops from the cost "
+                 "analysis (Mosaic kernels report none). "
                  "speedup_modelled = min(tau, T) / c(T): verify forward only (drafting and "
                  "acceptance not included)."),
     }
@@ -226,16 +244,18 @@ def table(rep: dict[str, Any]) -> str:
              "times MODELLED (roofline)",
              f"weights {rep['weights_bytes_per_chip'] / gb:.2f} GB, live KV "
              f"{rep['live_kv_bytes_per_chip'] / gb:.2f} GB, byte floor "
-             f"{rep['byte_floor_per_chip'] / gb:.2f} GB; AR step reads "
+             f"{rep['byte_floor_per_chip'] / gb:.2f} GB; AR step reads (HBM, modelled) "
              f"{rep['ar_bytes_over_floor'] or float('nan'):.2f}x the floor; largest batch at this "
              f"context {rep['largest_batch_at_context']}",
              f"{'program':<22}{'ok':>4}{'fits':>5}{'compile s':>11}{'HBM GB':>9}{'GB read':>9}"
+             f"{'(cost)':>8}"
              f"{'GFLOP':>9}{'mosaic':>8}{'t ms (m)':>10}{'c(T) (m)':>10}{'x@tau (m)':>10}"]
     for r in rep["programs"]:
         f = lambda v, fmt: format(v, fmt) if v is not None else "-"  # noqa: E731
         lines.append(f"{r['name']:<22}{'yes' if r['ok'] else 'NO':>4}"
                      f"{'yes' if r['fits'] else 'NO':>5}{r['compile_s']:>11.1f}"
-                     f"{r['hbm_bytes'] / gb:>9.2f}{r['bytes_accessed'] / gb:>9.2f}"
+                     f"{r['hbm_bytes'] / gb:>9.2f}{r['hbm_bytes_read'] / gb:>9.3f}"
+                     f"{r['bytes_accessed'] / gb:>8.2f}"
                      f"{r['flops'] / 1e9:>9.1f}{r['mosaic_calls']:>8}"
                      f"{f(r['modelled_s'] and r['modelled_s'] * 1e3, '.3f'):>10}"
                      f"{f(r['c_modelled'], '.3f'):>10}{f(r['speedup_modelled'], '.2f'):>10}")

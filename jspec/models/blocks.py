@@ -75,14 +75,24 @@ def embed_rows(table: jax.Array, ids: jax.Array,
     to float32 before gathering (float normalisation of a bfloat16 gather), and inside the
     decode loop that conversion is hoisted out as a float32 copy of the table made on every
     `generate` call (113 MB for SmolLM2's 49,152 x 576; docs/BENCHMARKS.md "Per-call copies
-    of the embedding table"). The bitcasts are free on every backend.
+    of the embedding table"). The bitcasts are free there, not on TPU (see below).
     """
     if table.dtype.itemsize == 2 and jnp.issubdtype(table.dtype, jnp.floating):
-        bits = jnp.take(jax.lax.bitcast_convert_type(table, jnp.uint16), ids, axis=0)
-        rows = jax.lax.bitcast_convert_type(bits, table.dtype)
+        # On TPU the bitcast of the table is a copy of it (the whole shard, every step): there,
+        # and on GPU, a plain gather (jspec.platforms: the platform compiled for).
+        rows = platforms.choose(table, ids, cpu=_take_bits, default=_take)
     else:
-        rows = jnp.take(table, ids, axis=0)
+        rows = _take(table, ids)
     return rows if dtype is None else rows.astype(dtype)
+
+
+def _take(table: jax.Array, ids: jax.Array) -> jax.Array:
+    return jnp.take(table, ids, axis=0)
+
+
+def _take_bits(table: jax.Array, ids: jax.Array) -> jax.Array:
+    bits = jnp.take(jax.lax.bitcast_convert_type(table, jnp.uint16), ids, axis=0)
+    return jax.lax.bitcast_convert_type(bits, table.dtype)
 
 
 def matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:

@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jspec import platforms
 from jspec.errors import JspecError
 from jspec.sampling import (
     Sampling,
@@ -109,7 +110,7 @@ def verify_chain_fused(key: jax.Array, draft: jax.Array, q: jax.Array | None,
         u = jax.random.uniform(k_u, (b, k))
         g = jax.random.gumbel(k_s, (b, target_logits.shape[-1]), jnp.float32)
     out = relaxed_acceptance(target_logits, draft, q, valid, w, u, g,
-                             temperature=float(sampling.temperature))
+                             temperature=float(sampling.temperature), platform=platforms.target())
     return out.n_accepted, out.next_token
 
 
