@@ -128,7 +128,7 @@ def test_chain_exact_at_every_temperature():
         assert abs(total - 1.0) < 1e-6 and tv <= TOL, (t, kind, seed, tv, total)
 
 
-def _floor_case() -> tuple[np.ndarray, np.ndarray]:
+def floor_case() -> tuple[np.ndarray, np.ndarray]:
     """(target, drafter tables) where LibraSpec(n=2, d_max=6, α=4.5) with blocks of 3 extends
     d = 2 → 6 (blocks 1 and 2 drafted: block 2 is anchored on the token at slot 5), then cuts:
     ε* = 5 when slot 6's confidence is 0.9 (x_5 = 0) and 4 when it is 0.25 (x_5 ≠ 0). The
@@ -150,11 +150,11 @@ def _floor_case() -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.parametrize("t", [1.0, 0.1])
 def test_libraspec_floor_exact_and_no_floor_caught(t):
     """LibraSpec's lengths from the real `libraspec_draft` over every draft of a sampling block
-    drafter (4⁶ drafts, `_floor_case`, logits scaled by T so q is the same at T = 1 and 0.1):
+    drafter (4⁶ drafts, `floor_case`, logits scaled by T so q is the same at T = 1 and 0.1):
     with the floor the law is the target's (TV ≤ TOL); without it (the length rule run as for
     greedy tokens) TV ≈ 0.034 (asserted > 0.02); both enumerations' weights sum to 1; lengths
     differ between drafts without the floor (4 or 5) and are 5 with it."""
-    a, table = _floor_case()
+    a, table = floor_case()
     policy = LibraSpec(n=2, d_max=6, alpha=4.5)
     tv, total, d = libraspec_law(t * a, t * table, 0, t, policy, block=3)
     assert tv <= TOL and abs(total - 1.0) < 1e-6, (tv, total)

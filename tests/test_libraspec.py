@@ -287,11 +287,14 @@ class SampledBlockDrafter(_BlockDrafter):
     """A block drafter that samples: slot s of a block anchored on token a is drawn from
     table[s, a] (f32[S, V, V]) through jspec's own `choose` (confidences included). With
     `token_conf` it reports the sampled token's own probability as its confidence instead —
-    the rule jspec used before 2026-12-01, kept here as the broken variant the test must catch."""
+    the rule jspec used before 2026-12-01, kept here as the broken variant the test must catch.
+    `temperature` > 0: it draws at that temperature whatever sampling it is handed (so a length
+    rule run as for greedy tokens still gets sampled drafts: `NoFloor`)."""
 
     table: jax.Array  # f32[S, V, V]
     block: int = dataclasses.field(metadata=dict(static=True), default=3)
     token_conf: bool = dataclasses.field(metadata=dict(static=True), default=False)
+    temperature: float = dataclasses.field(metadata=dict(static=True), default=0.0)
     name: str = dataclasses.field(metadata=dict(static=True), default="sampled-block")
 
     @property
@@ -305,6 +308,8 @@ class SampledBlockDrafter(_BlockDrafter):
         from jspec.drafters.trained import choose
 
         v = self.table.shape[-1]
+        if self.temperature:
+            sampling = jspec.Sampling(temperature=self.temperature)
         rows = jax.lax.dynamic_slice_in_dim(self.table, offset, k, axis=0)  # [k, V, V]
         logits = jnp.log(jnp.moveaxis(rows[:, anchor], 0, 1))  # [B, k, V]
         tok, q, conf = choose(logits, jnp.arange(v, dtype=jnp.int32), sampling, key)
@@ -373,11 +378,37 @@ def _extend_case() -> tuple[jspec.Model, np.ndarray, jax.Array]:
     return model, p, jnp.asarray(table)
 
 
+def _floor_case() -> tuple[jspec.Model, np.ndarray, jax.Array]:
+    """tests/test_exact_law.py's `floor_case` as a Markov chain (V = 4, every next token
+    (0.7, 0.1, 0.1, 0.1)): LibraSpec(n=2, d_max=6, α=4.5) extends d = 2 → 6 past block 2's
+    anchor (slot 5), whose confidence then cuts to 5 (floor) or, without the floor, to 4 when
+    x_5 ≠ 0: slot 5 verified only when its own token is 0 (exact TV 0.034; position 5's
+    token-0 marginal 0.70 → ≈ 0.73)."""
+    from test_exact_law import floor_case
+
+    a, table = floor_case()
+    model, p = markov_target(np.exp(a).astype(np.float32))
+    return model, p, jnp.asarray(np.exp(table), jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class NoFloor(LibraSpec):
+    """Broken: the length rule run as for greedy tokens (no floor), the drafter sampling
+    (`SampledBlockDrafter.temperature`): a cut may fall below a block anchored on a sampled
+    token (the mutation check's `libraspec-no-floor`)."""
+
+    def draft(self, drafter, dstate, ctx, sampling, key, live):
+        from jspec.length import libraspec_draft
+
+        return libraspec_draft(self, drafter, dstate, ctx, jspec.Sampling(), key, live)
+
+
 def _run(case, policy: LibraSpec, token_conf: bool, key: int, rows: int, drafter: bool = True):
     model, _, table = case
     kw = {}
     if drafter:
-        kw = dict(drafter=SampledBlockDrafter(table, token_conf=token_conf), length=policy)
+        kw = dict(drafter=SampledBlockDrafter(table, token_conf=token_conf, temperature=1.0),
+                  length=policy)
     out = jspec.generate(model, np.full((rows, 1), 2, np.int32), max_new_tokens=8,
                          sampling=jspec.Sampling(temperature=1.0), key=jax.random.key(key), **kw)
     st = jax.device_get(out.stats)
@@ -393,10 +424,15 @@ def test_libraspec_exact_marginals_when_lengths_are_cut():
     independent rows per run, seeds 11 (speculative) and 12 (control); per generated position
     1..7 a χ² goodness-of-fit test against the exact marginal, Holm at family-wise 0.001.
 
+    A third case, `_floor_case` (LibraSpec(n=2, d_max=6, α=4.5)): a cut that only the floor
+    keeps from falling below block 2's anchor, slot 5.
+
     Control (can pass): autoregressive decoding of the same chain, same test.
-    Broken variant (can fail): the drafter reporting the sampled token's own probability as
+    Broken variants (can fail): the drafter reporting the sampled token's own probability as
     its confidence (jspec's rule before 2026-12-01) is rejected in the toy case (its slot-2
-    marginal is (0.55, 0.45) instead of (0.5, 0.5): ~14 standard errors at this N)."""
+    marginal is (0.55, 0.45) instead of (0.5, 0.5): ~14 standard errors at this N); the length
+    rule without its floor (`NoFloor`) is rejected in the floor case (position 5's token 0:
+    0.73 instead of 0.70, p ≈ 7e-19; the exact law is off by TV 0.034, tests/test_exact_law.py)."""
     positions, rows = range(1, 8), 20_000
     cut, ext = _cut_case(), _extend_case()
     for case, policy in ((cut, LibraSpec(n=2, d_max=4, alpha=0.6)),
@@ -410,3 +446,11 @@ def test_libraspec_exact_marginals_when_lengths_are_cut():
     bad, _ = _run(cut, LibraSpec(n=2, d_max=4, alpha=0.6), True, 11, rows)
     pv = _marginal_pvalues(bad, cut[1], 2, positions)
     assert _holm_rejects(pv, 1e-3) and pv[1] < 1e-6  # position 2: the toy's slot
+    # The floor (`_floor_case`): exact with it; without it position 5 is off.
+    floor = _floor_case()
+    toks, per_round = _run(floor, LibraSpec(n=2, d_max=6, alpha=4.5), False, 11, rows)
+    assert not _holm_rejects(_marginal_pvalues(toks, floor[1], 2, positions), 1e-3)
+    bad, bad_per_round = _run(floor, NoFloor(n=2, d_max=6, alpha=4.5), False, 11, rows)
+    pv = _marginal_pvalues(bad, floor[1], 2, positions)
+    assert _holm_rejects(pv, 1e-3) and pv[4] < 1e-6, pv  # position 5: block 2's anchor
+    assert bad_per_round.min() < per_round.min()  # the floor is what kept slot 5
