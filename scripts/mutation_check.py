@@ -42,28 +42,41 @@ MUTANTS = (
     Mutant("residual-from-p", "on rejection, draw from p instead of norm([p - q]+)",
            "jspec/verify/lossless.py",
            "resid = jnp.maximum(p_n - q_n, 0.0)", "resid = p_n + 0.0 * q_n",
-           ("tests/test_speculative.py",), k="converges or distribution"),
+           ("tests/test_exact_law.py", "tests/test_speculative.py"),
+           k="chain_exact or converges or distribution"),
     Mutant("q-filtered-differently", "the draft model draws its token from the unfiltered "
            "distribution while its q (and p) are top-k / top-p filtered",
            "jspec/drafters/draft_model.py",
-           "return (jax.random.categorical(keys[i], z, axis=-1).astype(jnp.int32),",
-           "return (jax.random.categorical(keys[i], out.logits[:, -1] / sampling.temperature, "
-           "axis=-1).astype(jnp.int32),",
+           "return (categorical(keys[i], z),",
+           "return (categorical(keys[i], out.logits[:, -1] / sampling.temperature),",
            ("tests/test_distribution.py",), k="top_k"),
     Mutant("bonus-wrong-slot", "after K accepted drafts, the bonus token comes from p at slot "
            "K-1 instead of K", "jspec/verify/lossless.py",
-           "p_n = p[rows, n]  # [B, V]", "p_n = p[rows, jnp.minimum(n, k - 1)]  # [B, V]",
-           ("tests/test_speculative.py",), k="every_slot or converges or distribution"),
+           "return n, residual(p[rows, n], q_n), prob",
+           "return n, residual(p[rows, jnp.minimum(n, k - 1)], q_n), prob",
+           ("tests/test_exact_law.py", "tests/test_speculative.py"),
+           k="chain_exact or every_slot or converges or distribution"),
     Mutant("libraspec-token-confidence", "LibraSpec's confidence is the sampled token's own "
            "probability (the rule before 2026-12-01)", "jspec/drafters/trained.py",
-           "return tok, q, jnp.max(q, axis=-1)",
-           "return tok, q, jnp.take_along_axis(q, tok[..., None], axis=-1)[..., 0]",
+           "return vocab_ids[idx].astype(jnp.int32), q_d, jnp.max(q_d, axis=-1)",
+           "return vocab_ids[idx].astype(jnp.int32), q_d, "
+           "jnp.take_along_axis(q_d, idx[..., None], axis=-1)[..., 0]",
            ("tests/test_libraspec.py::test_libraspec_exact_marginals_when_lengths_are_cut",)),
     Mutant("libraspec-no-floor", "LibraSpec cuts a length back below a block anchored on a "
-           "sampled token", "jspec/rounds.py",
+           "sampled token", "jspec/length.py",
            "return d, want, stop, jnp.where(stop, floor, end(j - 1))",
            "return d, want, stop, floor",
-           ("tests/test_libraspec.py::test_libraspec_exact_marginals_when_lengths_are_cut",)),
+           ("tests/test_exact_law.py::test_libraspec_floor_exact_and_no_floor_caught",
+            "tests/test_libraspec.py::test_libraspec_exact_marginals_when_lengths_are_cut")),
+    Mutant("tree-clamp", "a drawn tree renormalises a child's q by max(sum, 1e-30) (the bug of "
+           "issue 56: rows with 1.2e-38 < sum < 1e-30 left unnormalised)", "jspec/verify/tree.py",
+           "r = r / jnp.sum(r, axis=-1, keepdims=True)",
+           "r = r / jnp.maximum(jnp.sum(r, axis=-1, keepdims=True), 1e-30)",
+           ("tests/test_exact_law.py", "tests/test_distribution_low_t.py"), k="drawn_tree"),
+    Mutant("tree-with-replacement", "a drawn tree verifies each child with its full q, as if "
+           "siblings were drawn with replacement", "jspec/verify/tree.py",
+           "jnp.where(tried | (r < _TINY), 0.0, r)", "jnp.where(r < _TINY, 0.0, r)",
+           ("tests/test_exact_law.py", "tests/test_distribution_low_t.py"), k="drawn_tree"),
     Mutant("commit-last-off-by-one", "commit keeps the token after the last committed one as "
            "`last`", "jspec/state.py",
            "new_last = jnp.take_along_axis(emitted, jnp.maximum(count - 1, 0)[:, None], axis=1)",
