@@ -122,3 +122,27 @@ def test_hlo_traffic_model():
     # the slice, the window and its 4-byte index (the update was in VMEM)
     assert r["hbm_read_bytes"] == slice_bytes + row + 4
     assert r["hbm_written_bytes"] == row  # only the updated row, in place
+
+
+def test_generate_compiles_for_tpu_with_every_drafter_kind(small_config):
+    """`generate` in a jit with each drafter kind (n-gram, EAGLE-3 chain and drawn tree,
+    DFlash, LibraSpec, early exit, ASD) compiles for a v5e chip with default options."""
+    from jspec.aot.programs import CASES, generate_program
+    from jspec.aot.report import setup
+
+    s = setup(model_config(small_config), "v5e:1x1", batch=2, context=512)
+    for case in CASES:
+        c = generate_program(s, case, prompt=64, new_tokens=16)
+        assert c.ok, (case.name, c.error)
+        assert c.mosaic_calls > 0 and c.hbm_bytes > 0, case.name
+
+
+@pytest.mark.slow
+def test_llama_8b_generate_every_drafter_on_v6e():
+    from jspec.aot.programs import CASES, generate_program
+    from jspec.aot.report import setup
+
+    s = setup(model_config("llama-3.1-8b"), "v6e:1x1", batch=8, context=1024)
+    for case in CASES:
+        c = generate_program(s, case, prompt=512, new_tokens=128)
+        assert c.ok and c.hbm_bytes < 32 * 2**30, (case.name, c.error)

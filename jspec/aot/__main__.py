@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from pathlib import Path
 
 from jspec.errors import JspecError
+
+
+def _case_names() -> tuple[str, ...]:
+    from jspec.aot.programs import CASES  # noqa: PLC0415
+
+    return tuple(c.name for c in CASES)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tau", type=float, default=2.5,
                    help="mean tokens per round for the modelled speedup (default 2.5)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--generate", default="",
+                   help="also compile jspec.generate inside a jit for these cases, comma-separated "
+                        "('all' for every one): " + ", ".join(repr(n) for n in _case_names())
+                        + "; with --prompt and --new-tokens")
+    p.add_argument("--prompt", type=int, default=512, help="prompt width for --generate (512)")
+    p.add_argument("--new-tokens", type=int, default=128, help="new tokens for --generate (128)")
     p.add_argument("--json-out", type=Path, default=None, help="write the report as JSON here")
     return p
 
@@ -55,6 +68,23 @@ def main(argv: list[str] | None = None) -> int:
     except JspecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.generate:
+        from jspec.aot.programs import CASES, generate_program  # noqa: PLC0415
+        from jspec.aot.report import model_config, setup  # noqa: PLC0415
+
+        want = set(_case_names()) if args.generate == "all" else set(args.generate.split(","))
+        unknown = want - set(_case_names())
+        if unknown:
+            print(f"error: unknown --generate cases {sorted(unknown)}", file=sys.stderr)
+            return 2
+        s = setup(model_config(args.model, args.dtype), args.topology, args.batch, args.context,
+                  args.model_parallel)
+        rep["generate"] = []
+        for case in (c for c in CASES if c.name in want):
+            c = generate_program(s, case, args.prompt, args.new_tokens)
+            print(f"  compiled {c.name}: {'ok' if c.ok else 'FAILED'} in {c.compile_s:.1f} s",
+                  file=sys.stderr, flush=True)
+            rep["generate"].append(dataclasses.asdict(c) | {"hbm_bytes": c.hbm_bytes})
     print(table(rep))
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)

@@ -261,4 +261,8 @@ def table(rep: dict[str, Any]) -> str:
                      f"{f(r['c_modelled'], '.3f'):>10}{f(r['speedup_modelled'], '.2f'):>10}")
         if not r["ok"]:
             lines.append(f"    error: {r['error']}")
+    for r in rep.get("generate", []):
+        lines.append(f"{r['name']:<34}{'ok' if r['ok'] else 'FAILED':>7} compile "
+                     f"{r['compile_s']:6.1f} s, HBM {r['hbm_bytes'] / gb:6.2f} GB"
+                     f"{'' if r['ok'] else '  ' + r['error']}")
     return "\n".join(lines)
