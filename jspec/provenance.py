@@ -31,7 +31,12 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-MACHINE_CLASSES = ("cpu", "cpu-bf16", "gpu", "tpu")
+# A TPU generation is a class of its own ("tpu": one whose generation is not known).
+TPU_CLASSES = ("tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e")
+MACHINE_CLASSES = ("cpu", "cpu-bf16", "gpu", "tpu", *TPU_CLASSES)
+# device_kind -> class; more specific kinds first ("TPU v5 lite" before "TPU v5").
+_TPU_KINDS = (("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e"), ("v6 lite", "tpu-v6e"),
+              ("v6e", "tpu-v6e"), ("v5p", "tpu-v5p"), ("v5", "tpu-v5p"), ("v4", "tpu-v4"))
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 AVX512-BF16 / AMX; Arm's BF16 extension
 
 
@@ -48,19 +53,23 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def machine_class() -> str:
-    """The class of machine a measured default belongs to: "tpu", "gpu", "cpu-bf16" (a CPU with
-    bfloat16 matmul instructions, where a bfloat16 target decodes faster) or "cpu" (where
-    bfloat16 is emulated and float32 is faster). `$JSPEC_MACHINE_CLASS` overrides it."""
+def machine_class(device: Any = None) -> str:
+    """The class of machine a measured default belongs to: "tpu-v5e" / "tpu-v6e" / "tpu-v5p" /
+    "tpu-v4" (a TPU generation; "tpu" if unknown), "gpu", "cpu-bf16" (a CPU with bfloat16 matmul
+    instructions, where a bfloat16 target decodes faster) or "cpu" (where bfloat16 is emulated
+    and float32 is faster). `device`: the class of that device (e.g. one of a TPU topology that
+    a program is compiled for); default this host's. `$JSPEC_MACHINE_CLASS` overrides it."""
     env = os.environ.get("JSPEC_MACHINE_CLASS")
     if env:
         if env not in MACHINE_CLASSES:
             raise JspecError(f"$JSPEC_MACHINE_CLASS must be one of {MACHINE_CLASSES}, got "
                              f"{env!r}")
         return env
-    backend = jax.default_backend()
+    backend = (device.platform if device is not None else jax.default_backend()).lower()
     if backend == "tpu":
-        return "tpu"
+        kind = (device.device_kind if device is not None else jax.devices()[0].device_kind)
+        kind = kind.lower()
+        return next((cls for key, cls in _TPU_KINDS if key in kind), "tpu")
     if backend != "cpu":
         return "gpu"  # cuda / rocm
     return "cpu-bf16" if cpu_flags() & set(_BF16_FLAGS) else "cpu"

@@ -122,3 +122,23 @@ def test_tree_attention_kernel_compiles_with_mosaic(t, hd, kv):
                          sd(b, dt=jnp.int32), sd(b, t, kv, hd), sd(b, t, kv, hd),
                          sd(b, t, dt=jnp.int32)).compile()
     assert "tpu_custom_call" in custom_calls(c.as_text())
+
+
+def test_machine_class_of_a_tpu_device_and_drafter_records_follow_it(tmp_path, monkeypatch):
+    """A TPU generation is a machine class; a drafter loaded for weights laid out on a TPU
+    topology takes that class's record, not this CPU host's."""
+    from jspec import defaults
+    from jspec.provenance import machine_class
+
+    monkeypatch.delenv("JSPEC_MACHINE_CLASS", raising=False)
+    assert machine_class(tpu_mesh().devices.flat[0]) == "tpu-v5e"
+    assert machine_class(tpu_mesh("v6e:1x1").devices.flat[0]) == "tpu-v6e"
+    monkeypatch.setenv("JSPEC_DEFAULTS", str(tmp_path / "d.json"))
+    defaults.save("ngram", defaults.Record(k=2, dtype="float32", source="t", max_batch=2))
+    rep = jax.sharding.NamedSharding(tpu_mesh(), jax.sharding.PartitionSpec())
+    w = abstract(jax.eval_shape(functools.partial(init_weights, CFG), jax.random.key(0)), rep)
+    on_tpu = jspec.load_drafter("ngram", target=Model(config=CFG, weights=w))
+    assert on_tpu.caps.max_batch is None and on_tpu.caps.default_k == 5  # no tpu-v5e record
+    defaults.save("ngram", defaults.Record(k=3, dtype="bfloat16", source="t"),
+                  machine="tpu-v5e")
+    assert jspec.load_drafter("ngram", target=Model(config=CFG, weights=w)).caps.default_k == 3

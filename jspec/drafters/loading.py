@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import jax
 from safetensors import safe_open
 
 from jspec import defaults
@@ -16,6 +17,7 @@ from jspec.drafters.ngram import NGram
 from jspec.drafters.trained import check_target, load_drafter_file
 from jspec.errors import JspecError, ModelLoadError
 from jspec.models.model import load_model
+from jspec.provenance import machine_class
 from jspec.specs import Registry, split_spec
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -117,13 +119,25 @@ def load_drafter(name_or_path: str | os.PathLike, *, target: Any = None, best: b
     decodes plainly (speculation stops paying there). `best=True` loads the record's whole
     configuration: the proposer it names wrapped around the drafter (`jspec.defaults.resolve`:
     on a `cpu` machine "smollm2-135m-eagle3" gives "smollm2-135m-eagle3+ngram"); without it a
-    name loads that drafter alone.
+    name loads that drafter alone. The record is that of the machine class of the target's
+    devices (its weights' sharding: a TPU generation for weights laid out on a TPU topology,
+    even when compiled from a CPU host), else of this host.
     """
-    name = defaults.resolve(str(name_or_path)) if best else str(name_or_path)
+    machine = _machine_of(target)
+    name = defaults.resolve(str(name_or_path), machine) if best else str(name_or_path)
     drafter = _load(name, target)
-    record = defaults.lookup(name)
+    record = defaults.lookup(name, machine)
     return drafter if record is None else dataclasses.replace(drafter, default_k=record.k,
                                                               max_batch=record.max_batch)
+
+
+def _machine_of(target: Any) -> str | None:
+    """The machine class of the devices the target's weights are on (None: this host's)."""
+    for a in jax.tree.leaves(getattr(target, "weights", None)):
+        sh = getattr(a, "sharding", None)
+        if isinstance(sh, jax.sharding.Sharding) and not isinstance(a, jax.core.Tracer):
+            return machine_class(next(iter(sh.device_set)))
+    return None
 
 
 def _load(name: str, target: Any) -> Any:
