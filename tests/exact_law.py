@@ -26,6 +26,7 @@ compared with the target's law of the next L tokens in float64 (total variation 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 from unittest import mock
@@ -265,15 +266,17 @@ def drawn_tree_law(a: np.ndarray, d: np.ndarray, root: int, t: float, depth: int
 
 
 # ------------------------------------------------------------------------------- LibraSpec
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class EnumeratedBlockDrafter:
     """A block drafter whose rows' tokens are given (one enumerated draft per row): slot s of
     a block anchored on token b has q = softmax(process_logits(table[s, b])) (float32) and
     confidence max q — fixed before the slot's token, as jspec's drafters report it."""
 
-    def __init__(self, seqs: np.ndarray, table: np.ndarray, block: int, t: float):
-        self.seqs = jnp.asarray(seqs, jnp.int32)  # [R, S] every row's token at every slot
-        self.logits = jnp.asarray(table, jnp.float32)  # [S, V, V]
-        self.block, self.t = block, t
+    seqs: jax.Array  # i32[R, S] every row's token at every slot
+    logits: jax.Array  # f32[S, V, V]
+    block: int = dataclasses.field(metadata=dict(static=True))
+    t: float = dataclasses.field(metadata=dict(static=True))
 
     @property
     def caps(self) -> Capabilities:
@@ -290,6 +293,9 @@ class EnumeratedBlockDrafter:
 
     def extend(self, state, ctx, anchor, offset, sampling, key):
         return self._slots(anchor, offset, self.block)
+
+
+_libraspec_draft = jax.jit(libraspec_draft, static_argnums=(0, 4))
 
 
 def libraspec_law(a: np.ndarray, table: np.ndarray, root: int, t: float, policy: LibraSpec,
@@ -311,13 +317,14 @@ def libraspec_law(a: np.ndarray, table: np.ndarray, root: int, t: float, policy:
     anchors = np.where(anchor_slot[None] < 0, root, drafts[:, np.maximum(anchor_slot, 0)])
     lq = log_probs64(table[:dm], t)  # [d_max, V, V]
     weights = np.exp(lq[np.arange(dm)[None], anchors, drafts].sum(1))
-    drafter = EnumeratedBlockDrafter(seqs, table, block, t)
+    drafter = EnumeratedBlockDrafter(jnp.asarray(seqs, jnp.int32),
+                                     jnp.asarray(table, jnp.float32), block, t)
     s = Sampling(temperature=t)
     ctx = DraftContext(seq=jnp.zeros((r, 1), jnp.int32), cache_len=jnp.zeros((r,), jnp.int32),
                        last=jnp.full((r,), root, jnp.int32))
-    prop, _, length, _ = libraspec_draft(policy, drafter, None, ctx,
-                                         s if floor else Sampling(), jax.random.key(0),
-                                         jnp.ones((r,), bool))
+    prop, _, length, _ = _libraspec_draft(policy, drafter, None, ctx,
+                                          s if floor else Sampling(), jax.random.key(0),
+                                          jnp.ones((r,), bool))
     length = np.asarray(length)
     valid = np.arange(dm)[None] < length[:, None]
     # A block no row's length reaches is not drafted (zeros): only verified slots must agree.
