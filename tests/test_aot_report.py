@@ -146,3 +146,24 @@ def test_llama_8b_generate_every_drafter_on_v6e():
     for case in CASES:
         c = generate_program(s, case, prompt=512, new_tokens=128)
         assert c.ok and c.hbm_bytes < 32 * 2**30, (case.name, c.error)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_training_step_compiles_for_8_chips(small_config, kind):
+    from jspec.aot.report import setup
+    from train.aot import train_step_program
+
+    c = train_step_program(setup(model_config(small_config), "v5e:2x4", 1, 128), kind, rows=8,
+                           seq=256)
+    assert c.ok and c.hbm_bytes > 0, c.error
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_llama_8b_training_step_fits_v5e_2x4(kind):
+    from jspec.aot.report import setup
+    from train.aot import train_step_program
+
+    c = train_step_program(setup(model_config("llama-3.1-8b"), "v5e:2x4", 1, 128), kind)
+    assert c.ok and c.hbm_bytes < 16 * 2**30, c.error
