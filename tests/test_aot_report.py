@@ -53,9 +53,13 @@ def test_report_small_model_on_one_chip(small_config):
 def test_cli_writes_json_and_refuses_unknown_inputs(small_config, tmp_path, capsys):
     out = tmp_path / "r.json"
     assert main(["aot", "--model", small_config, "--topology", "v5e:1x1", "--nodes", "2",
-                 "--no-trees", "--context", "512", "--json-out", str(out)]) == 0
+                 "--no-trees", "--context", "512", "--rounds", "eagle3 chain K4 T0",
+                 "--prompt", "64", "--new-tokens", "16", "--json-out", str(out)]) == 0
     rep = json.loads(out.read_text())
     assert [r["t"] for r in rep["programs"]] == [1, 2]
+    (rnd,) = rep["rounds"]  # one EAGLE-3 round: its verify forward (T = 5) plus drafting
+    assert rnd["ok"] and rnd["modelled_s"] > rnd["verify_forward_modelled_s"] > 0
+    assert rnd["besides_forward_over_ar_step"] > 0
     assert rep["chip"]["hbm_bytes"] == CHIPS["v5e"].hbm_bytes
     assert main(["aot", "--model", "no-such-model", "--topology", "v5e:1x1"]) == 2
     assert "no model" in capsys.readouterr().err

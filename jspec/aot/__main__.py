@@ -18,6 +18,40 @@ def _case_names() -> tuple[str, ...]:
     return tuple(c.name for c in CASES)
 
 
+def _programs(flag: str, want: set[str], rep: dict, args: argparse.Namespace) -> list[dict]:
+    """Compile `generate` or one round for each wanted case; a round's row says its modelled
+    cost besides its verify forward (width K + 1, or the tree's nodes) as a share of an AR
+    step."""
+    from jspec.aot.chips import chip_of  # noqa: PLC0415
+    from jspec.aot.programs import CASES, generate_program, round_program  # noqa: PLC0415
+    from jspec.aot.report import model_config, setup, step_program  # noqa: PLC0415
+
+    chip = chip_of(args.topology)
+    s = setup(model_config(args.model, args.dtype), args.topology, args.batch, args.context,
+              args.model_parallel)
+    fwd = {(r["t"], r["tree"]): r for r in rep["programs"]}
+    ar = fwd.get((1, False), {}).get("modelled_s")
+    out = []
+    for case in (c for c in CASES if c.name in want):
+        make = generate_program if flag == "generate" else round_program
+        c = make(s, case, args.prompt, args.new_tokens)
+        print(f"  compiled {c.name}: {'ok' if c.ok else 'FAILED'} in {c.compile_s:.1f} s",
+              file=sys.stderr, flush=True)
+        row = dataclasses.asdict(c) | {"hbm_bytes": c.hbm_bytes}
+        if flag == "rounds" and c.ok and ar and case.drafter:
+            tree = "topk" in case.drafter
+            width = int(case.drafter.split("nodes=")[1].split(",")[0]) if tree else case.k + 1
+            if (width, tree) not in fwd:
+                f = step_program(s, width, tree)
+                fwd[(width, tree)] = {"modelled_s": f.modelled_s(chip) if f.ok else None}
+            f_s = fwd[(width, tree)]["modelled_s"]
+            row |= {"modelled_s": c.modelled_s(chip), "verify_forward_modelled_s": f_s,
+                    "besides_forward_over_ar_step": (c.modelled_s(chip) - f_s) / ar
+                    if f_s else None}
+        out.append(row)
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jspec aot",
@@ -45,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also compile jspec.generate inside a jit for these cases, comma-separated "
                         "('all' for every one): " + ", ".join(repr(n) for n in _case_names())
                         + "; with --prompt and --new-tokens")
+    p.add_argument("--rounds", default="",
+                   help="also compile one speculative round alone for these cases (as "
+                        "--generate) and report what it costs besides its verify forward, as a "
+                        "share of an autoregressive step (modelled)")
     p.add_argument("--prompt", type=int, default=512, help="prompt width for --generate (512)")
     p.add_argument("--new-tokens", type=int, default=128, help="new tokens for --generate (128)")
     p.add_argument("--json-out", type=Path, default=None, help="write the report as JSON here")
@@ -68,23 +106,16 @@ def main(argv: list[str] | None = None) -> int:
     except JspecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.generate:
-        from jspec.aot.programs import CASES, generate_program  # noqa: PLC0415
-        from jspec.aot.report import model_config, setup  # noqa: PLC0415
-
-        want = set(_case_names()) if args.generate == "all" else set(args.generate.split(","))
+    for flag in ("generate", "rounds"):
+        value = getattr(args, flag)
+        if not value:
+            continue
+        want = set(_case_names()) if value == "all" else set(value.split(","))
         unknown = want - set(_case_names())
         if unknown:
-            print(f"error: unknown --generate cases {sorted(unknown)}", file=sys.stderr)
+            print(f"error: unknown --{flag} cases {sorted(unknown)}", file=sys.stderr)
             return 2
-        s = setup(model_config(args.model, args.dtype), args.topology, args.batch, args.context,
-                  args.model_parallel)
-        rep["generate"] = []
-        for case in (c for c in CASES if c.name in want):
-            c = generate_program(s, case, args.prompt, args.new_tokens)
-            print(f"  compiled {c.name}: {'ok' if c.ok else 'FAILED'} in {c.compile_s:.1f} s",
-                  file=sys.stderr, flush=True)
-            rep["generate"].append(dataclasses.asdict(c) | {"hbm_bytes": c.hbm_bytes})
+        rep[flag] = _programs(flag, want, rep, args)
     print(table(rep))
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)

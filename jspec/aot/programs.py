@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jspec
+import jspec.platforms
 from jspec import sharding
 from jspec.aot.report import Compiled, Setup, compile_program
 from jspec.drafters import dflash, eagle3
@@ -123,3 +124,39 @@ def generate_program(s: Setup, case: Case, prompt: int = 512, new_tokens: int = 
 @functools.cache
 def case_names() -> tuple[str, ...]:
     return tuple(c.name for c in CASES)
+
+
+def round_program(s: Setup, case: Case, prompt: int = 512, new_tokens: int = 128) -> Compiled:
+    """One speculative round (`jspec.rounds.make_round`: drafting, the verify forward,
+    acceptance, commit) compiled alone over an abstract decode state, for the setup's slice:
+    its HBM bytes less those of the verify forward are what a round costs besides the target."""
+    from jspec.rounds import init_state, make_round  # noqa: PLC0415
+    from jspec.state import cache_capacity  # noqa: PLC0415
+
+    mesh, cfg, b = s.mesh, s.config, s.batch
+    drafter = abstract_drafter(case.drafter, s) if case.drafter else None
+    sampling = jspec.Sampling(temperature=case.temperature)
+    verifier = (case.verifier() if case.verifier else jspec.Lossless()) if drafter else None
+    length = jspec.LibraSpec(n=4, d_max=case.k) if case.libraspec else None
+    look = 0 if drafter is None else drafter.caps.lookahead(case.k)
+    cap = cache_capacity(prompt, new_tokens, look, "tpu")
+    statics = dict(sampling=sampling, max_new_tokens=new_tokens, capacity=cap,
+                   eos_ids=cfg.eos_ids, k=case.k if drafter else 0, verifier=verifier,
+                   length=length)
+    ids = jax.ShapeDtypeStruct((b, prompt), jnp.int32)
+    lens = jax.ShapeDtypeStruct((b,), jnp.int32)
+    with sharding.using(mesh), jspec.platforms.compiling_for("tpu"):
+        state = jax.eval_shape(lambda w, d, i, n: init_state(cfg, w, d, i, n, jax.random.key(0),
+                                                             **statics), s.weights, drafter,
+                               ids, lens)
+    state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                         state, sharding.state_sharding(state, mesh, batch=b))
+
+    def one_round(w, d, st):
+        with jspec.platforms.compiling_for("tpu"):
+            return make_round(cfg, w, d, k=statics["k"], sampling=sampling, eos_ids=cfg.eos_ids,
+                              verifier=verifier, length=length)(st)
+
+    with sharding.using(mesh):
+        return compile_program(f"round {case.name}", one_round, (s.weights, drafter, state),
+                               donate=(2,))

@@ -261,8 +261,13 @@ def table(rep: dict[str, Any]) -> str:
                      f"{f(r['c_modelled'], '.3f'):>10}{f(r['speedup_modelled'], '.2f'):>10}")
         if not r["ok"]:
             lines.append(f"    error: {r['error']}")
-    for r in rep.get("generate", []):
+    for r in rep.get("generate", []) + rep.get("rounds", []):
+        extra = ""
+        if r.get("besides_forward_over_ar_step") is not None:
+            extra = (f", round {r['modelled_s'] * 1e3:.3f} ms (m) = verify forward "
+                     f"{r['verify_forward_modelled_s'] * 1e3:.3f} ms + "
+                     f"{r['besides_forward_over_ar_step']:.1%} of an AR step (m)")
         lines.append(f"{r['name']:<34}{'ok' if r['ok'] else 'FAILED':>7} compile "
-                     f"{r['compile_s']:6.1f} s, HBM {r['hbm_bytes'] / gb:6.2f} GB"
+                     f"{r['compile_s']:6.1f} s, HBM {r['hbm_bytes'] / gb:6.2f} GB{extra}"
                      f"{'' if r['ok'] else '  ' + r['error']}")
     return "\n".join(lines)
