@@ -142,3 +142,50 @@ def test_machine_class_of_a_tpu_device_and_drafter_records_follow_it(tmp_path, m
     defaults.save("ngram", defaults.Record(k=3, dtype="bfloat16", source="t"),
                   machine="tpu-v5e")
     assert jspec.load_drafter("ngram", target=Model(config=CFG, weights=w)).caps.default_k == 3
+
+
+def _one_chip(topology: str) -> jax.sharding.NamedSharding:
+    from jspec.aot.chips import tpu_devices
+
+    mesh = jax.sharding.Mesh(np.array(tpu_devices(topology)[:1]), ("x",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+ATTENTION = [(8, 1, 8, 4, 32768), (8, 16, 8, 4, 32768), (1, 64, 8, 4, 32768), (8, 64, 4, 8, 8192)]
+ACCEPTANCE = [(8, 4, 128256), (8, 8, 151936), (64, 4, 128256)]
+GENERATIONS = ["v5e:1x1", "v6e:1x1", "v5p:2x2x1"]
+
+
+def _kernel_cases(slow: bool):
+    for topo in GENERATIONS:
+        for i, shape in enumerate(ATTENTION):
+            if slow or i == 1:
+                yield pytest.param(topo, "attention", shape, marks=[pytest.mark.slow] * slow)
+        for i, shape in enumerate(ACCEPTANCE):
+            if slow or i == 1:
+                yield pytest.param(topo, "acceptance", shape, marks=[pytest.mark.slow] * slow)
+
+
+@pytest.mark.parametrize("topo,kernel,shape", [*_kernel_cases(False), *_kernel_cases(True)])
+def test_kernels_compile_with_mosaic_at_real_shapes(topo, kernel, shape):
+    """Both Pallas kernels through Mosaic for v5e, v6e and v5p: tree attention at head_dim 128,
+    GQA 4 and 8, caches up to 32k slots, 1-64 nodes; the fused acceptance at Llama-3's 128k and
+    Qwen3's 152k vocabularies (default run: one shape each; `-m slow`: all)."""
+    from pallas_kernels.relaxed_acceptance.kernel import relaxed_acceptance
+    from pallas_kernels.tree_attention import tree_attention
+
+    rep = _one_chip(topo)
+    sd = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt, sharding=rep)  # noqa: E731
+    if kernel == "attention":
+        b, t, kv, g, s = shape
+        f = functools.partial(tree_attention, platform="tpu")
+        args = (sd(b, t, kv * g, 128), sd(b, kv, s, 128), sd(b, kv, s, 128),
+                sd(b, dt=jnp.int32), sd(b, t, kv, 128), sd(b, t, kv, 128), sd(b, t, dt=jnp.int32))
+    else:
+        b, k, v = shape
+        f = functools.partial(relaxed_acceptance, temperature=1.0, platform="tpu")
+        args = (sd(b, k + 1, v, dt=jnp.float32), sd(b, k, dt=jnp.int32),
+                sd(b, k, v, dt=jnp.float32), sd(b, k, dt=jnp.bool_), None,
+                sd(b, k, dt=jnp.float32), sd(b, v, dt=jnp.float32))
+    c = jax.jit(f).lower(*args).compile()
+    assert "tpu_custom_call" in custom_calls(c.as_text())
