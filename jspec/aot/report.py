@@ -140,12 +140,24 @@ class Setup:
         return int(_per_chip_bytes((self.cache.k, self.cache.v)) * filled / self.context)
 
 
+def kv_heads_for(config: ModelConfig, model_axis: int) -> ModelConfig:
+    """The config with its KV heads repeated (`jspec.models.llama.repeat_kv_heads`, exact) so
+    that they shard over a `model` axis wider than them (8 KV heads on 16 chips: 2x); the
+    config unchanged where they already divide it or cannot be repeated to."""
+    kv, g = config.num_kv_heads, config.num_heads // config.num_kv_heads
+    if model_axis <= kv or model_axis % kv or g % (model_axis // kv):
+        return config
+    return dataclasses.replace(config, num_kv_heads=model_axis)
+
+
 def setup(config: ModelConfig, topology: str, batch: int, context: int,
           model_parallel: int | None = None) -> Setup:
     """Abstract weights (`jax.eval_shape(init_weights)`) and an abstract KV cache of `context`
     slots, laid out on the slice by `jspec.sharding.RULES` (heads / MLP / vocabulary over the
-    `model` axis, rows over `data`)."""
+    `model` axis, rows over `data`); KV heads repeated where the `model` axis is wider than
+    them (`kv_heads_for`)."""
     mesh = tpu_mesh(topology, model_parallel)
+    config = kv_heads_for(config, dict(mesh.shape)["model"])
     w = jax.eval_shape(functools.partial(init_weights, config), jax.random.key(0))
     w = _abstract(w, sharding.params_sharding(w, mesh, head_dim=config.head_dim))
     cache = jax.eval_shape(lambda: KVCache.create(config, batch, context))

@@ -259,6 +259,40 @@ def init_weights(config: ModelConfig, key: jax.Array, scale: float = 0.02) -> We
                    lm_head=None if config.tie_embeddings else rnd(d, config.vocab_size))
 
 
+def repeat_kv_heads(config: ModelConfig, weights: Weights, factor: int
+                    ) -> tuple[ModelConfig, Weights]:
+    """The same model with each KV head repeated `factor` times in place (kv0, kv0, kv1, ...):
+    query head h still attends with KV head h // G of the original (G' = G / factor), so every
+    output is unchanged. What a tensor-parallel width larger than the KV heads needs (8 KV heads
+    on 16 chips): the K/V projections and the cache then shard over the chips instead of being
+    replicated on each (`jspec.sharding`'s divisibility rule), at `factor` times the cache in
+    all and 1/factor of it per chip.
+
+    Args:
+      config, weights: the model; `factor` must divide num_heads // num_kv_heads.
+    Returns:
+      (config with num_kv_heads * factor, weights with wk, wv, bk, bv repeated per head).
+    """
+    g = config.num_heads // config.num_kv_heads
+    if factor < 1 or g % factor:
+        raise ValueError(f"factor {factor} must divide the query heads per KV head ({g})")
+    if factor == 1:
+        return config, weights
+    kv, hd = config.num_kv_heads, config.head_dim
+
+    def rep(a: jax.Array | None) -> jax.Array | None:
+        if a is None:
+            return None
+        lead = a.shape[:-1]
+        a = a.reshape(*lead, kv, 1, hd)
+        return jnp.broadcast_to(a, (*lead, kv, factor, hd)).reshape(*lead, kv * factor * hd)
+
+    layers = tuple(dataclasses.replace(lw, wk=rep(lw.wk), wv=rep(lw.wv), bk=rep(lw.bk),
+                                       bv=rep(lw.bv)) for lw in weights.layers)
+    return (dataclasses.replace(config, num_kv_heads=kv * factor),
+            dataclasses.replace(weights, layers=layers))
+
+
 def cast_weights(weights: Weights, dtype: Any) -> Weights:
     """Cast matrices to `dtype`; norms stay float32."""
     def cast(path, a):
