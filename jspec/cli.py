@@ -11,17 +11,20 @@ from pathlib import Path
 from typing import Any
 
 from jspec import defaults
+from jspec.cli_args import add_bench_parser, add_impl_args
 from jspec.errors import JspecError
 
 
 def _shipped_defaults() -> str:
-    """The shipped records, for --help: "cpu-bf16: smollm2-135m-eagle3 k=3 bfloat16, ...; ..."."""
+    """The shipped records, for --help: "cpu-bf16: plain decoding bfloat16, smollm2-135m-eagle3
+    k=3 bfloat16, ...; ..."."""
     try:
         data = defaults.read(defaults.SHIPPED)
     except JspecError:
         return "(unreadable)"
     return "; ".join(f"{cls}: " + ", ".join(
-        f"{n} plain {r.get('dtype')} (no k beat it)" if r.get("max_batch") == 0
+        f"plain decoding {r.get('dtype')}" if n == defaults.PLAIN
+        else f"{n} plain {r.get('dtype')} (no k beat it)" if r.get("max_batch") == 0
         else f"{n}" + (f" as {n}+{r['proposer']}" if r.get("proposer") else "")
         + f" k={r.get('k')} {r.get('dtype')}"
         + (f" up to batch {r['max_batch']}" if r.get("max_batch") else "")
@@ -35,17 +38,6 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus sampling mass in (0, 1] (1 = all)")
     p.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default 0)")
-
-
-def _add_impl_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--attention-impl", choices=("auto", "xla", "pallas"), default="auto",
-                   help="target attention: auto (default: the Pallas kernel on TPU, XLA elsewhere), "
-                        "xla, or pallas (pallas_kernels.tree_attention; interpret mode on CPU: "
-                        "correct, slow)")
-    p.add_argument("--acceptance-impl", choices=("xla", "pallas"), default="xla",
-                   help="lossless verifier's acceptance: xla (default) or pallas (the fused "
-                        "pallas_kernels.relaxed_acceptance kernel; temperature only, top-k/top-p "
-                        "use xla; interpret mode on CPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,16 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "rounds, mean_accepted, seconds, provenance: machine, jax/jaxlib, dtype, "
                         "command line) instead of streaming text")
     g.add_argument("--dtype", choices=("float32", "bfloat16"),
-                   help="weights/activations dtype (default: the drafter's measured-best "
-                        "record for this machine class (cpu-bf16: a CPU with AVX512-BF16/AMX or "
-                        "Arm BF16; cpu: one without; gpu; tpu; $JSPEC_MACHINE_CLASS overrides), "
-                        f"shipped: {_shipped_defaults()}; float32 without a drafter or a record). "
-                        "bfloat16 decodes ~1.2x faster than float32 on a cpu-bf16 machine (about "
-                        "as fast on a cpu one, through jspec's small-M CPU kernel) and verifies "
-                        "K tokens almost at the cost of one, "
-                        "but a near-tie can round differently in the verify pass than in a "
-                        "one-token step, so greedy speculative output may differ from greedy "
-                        "decoding there (docs/BENCHMARKS.md)")
+                   help="weights/activations dtype (default: the measured-best record for this "
+                        "machine class, the drafter's with --drafter, else plain decoding's, so "
+                        "the two agree unless told; classes: cpu-bf16 = a CPU with AVX512-BF16/"
+                        "AMX or Arm BF16, cpu = one without, gpu, tpu; $JSPEC_MACHINE_CLASS "
+                        f"overrides; shipped: {_shipped_defaults()}; float32 with no record). "
+                        "--json's provenance.dtype says which ran. bfloat16 decodes ~1.8x faster "
+                        "than float32 on a cpu-bf16 machine (about as fast on a cpu one) and "
+                        "verifies K tokens almost at the cost of one, but a near-tie can round "
+                        "differently in the verify pass than in a one-token step, so greedy "
+                        "speculative output may differ from greedy decoding there "
+                        "(docs/BENCHMARKS.md)")
     g.add_argument("--drafter", help="speculative decoding with this drafter: ngram[:n=N], "
                                      "early-exit:N, a shipped trained drafter "
                                      "(smollm2-135m-eagle3, smollm2-135m-eagle3-code = "
@@ -130,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "on every host; under `python -m jspec.launch` it joins by itself); "
                         "only process 0 prints")
     _add_sampling_args(g)
-    _add_impl_args(g)
+    add_impl_args(g)
 
     c = sub.add_parser("calibrate-asd", help="calibrate ASD's regret gate on real prompts",
                        description="Run strict greedy speculative decoding and set ASD's gate to "
@@ -197,58 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where to save the measurements and the grid "
                          "(default libraspec_calibration.json)")
 
-    b = sub.add_parser("bench", help="benchmarks (see docs/BENCHMARKS.md)",
-                       description="Measure decoding speed; every ratio is measured in one run.")
-    b.add_argument("--model", default="smollm2-135m", help="target model (default smollm2-135m)")
-    b.add_argument("--baseline", action="store_true",
-                   help="autoregressive tokens/s (float32, bfloat16), the verification cost curve "
-                        "c(K), and HF transformers on the same weights when torch is installed")
-    b.add_argument("--new-tokens", type=int, default=128, help="tokens generated per measurement")
-    b.add_argument("--repeats", type=int, default=3,
-                   help="timed repeats (median reported); within one, each prompt is decoded by "
-                        "every configuration back to back, the order rotating per prompt")
-    b.add_argument("--fill", type=int, default=400, help="cache fill for the c(K) curve")
-    b.add_argument("--no-peer", action="store_true", help="skip HF transformers even if installed")
-    b.add_argument("--no-bf16", action="store_true", help="skip the bfloat16 rows")
-    b.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="target dtype of the speculative rows (default float32); with bfloat16 "
-                        "a float32 autoregressive row is added, and 'vs best AR' is the speedup "
-                        "over the faster of the two autoregressive rows")
-    b.add_argument("--drafters", default="",
-                   help="comma-separated drafters for speculative rows, e.g. "
-                   "ngram,smollm2-135m-eagle3@4/6,smollm2-135m-dflash@7 (@K1/K2: that "
-                   "drafter's own lengths instead of --ks)")
-    b.add_argument("--ks", default="2,4,8", help="comma-separated speculation lengths K")
-    b.add_argument("--lengths", default="",
-                   help="semicolon-separated dynamic length policies run (lossless) for every "
-                        "block drafter in --drafters, e.g. 'libraspec;libraspec:n=4,alpha=0.8' "
-                        "(table columns: mean d = proposed tokens verified per round, |d-oracle| "
-                        "= mean distance from the longest prefix that would have been accepted)")
-    b.add_argument("--temperatures", default="0,1", help="comma-separated temperatures")
-    b.add_argument("--verifiers", default="lossless",
-                   help="semicolon-separated verifiers, e.g. 'lossless;asd:budget=8,gate=0.25,cap=2;"
-                        "diversed:w=0.7' (ASD runs at T=0 only)")
-    b.add_argument("--quality", action="store_true",
-                   help="quality columns: target NLL per generated token, task score (HumanEval "
-                        "pass@1 with unit tests run sandboxed, 5 s timeout; exact answer for "
-                        "math sets) and, at T=0, outputs changed vs autoregressive greedy")
-    b.add_argument("--prompts", default="humaneval:8",
-                   help="prompt set and range, e.g. humaneval:8 or humaneval:100-164; several "
-                        "joined by commas (e.g. humaneval:0-8,gsm8k:0-8,mtbench:60-68) run together, with "
-                        "a second table by set")
-    b.add_argument("--quiet", action="store_true", help="no progress bar")
-    b.add_argument("--batch-sizes", default="",
-                   help="comma-separated batch sizes, e.g. 1,4,16,64: batched greedy generation "
-                        "of the same prompts (--prompts, default alpaca:0-64) in batches of each "
-                        "size, jspec float32/bfloat16 next to HF transformers (when torch is "
-                        "installed), with jspec's planned peak memory; --drafters then adds "
-                        "speculative rows at every batch size (name@K, --dtype target) instead "
-                        "of the batch-1 table")
-    b.add_argument("--json-out", type=Path, help="also write the results as JSON to this file")
-    b.add_argument("--plot", type=Path, metavar="OUT.png",
-                   help="also draw the results (acceptance by position, speedup and tau "
-                        "against K, c(K)); needs matplotlib (the plot extra)")
-    _add_impl_args(b)
+    add_bench_parser(sub)
 
     pl = sub.add_parser("plot", help="draw a saved bench JSON (or a training log.jsonl)",
                         description="Draw the pictures of `bench --plot` from a bench JSON "
@@ -323,9 +265,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise JspecError("--k/--length/--verifier/--acceptance-impl/--drafter-alone need "
                          "--drafter")
     verifier = with_acceptance_impl(parse_verifier(args.verifier), args.acceptance_impl)
-    if args.dtype is None:
-        record = defaults.lookup(args.drafter) if args.drafter else None
-        args.dtype = record.dtype if record else "float32"
+    if args.dtype is None:  # the measured best: the drafter's record, else plain decoding's
+        args.dtype = defaults.dtype_for(args.drafter)
     model = jspec.load_model(args.model, dtype=args.dtype).with_attention_impl(args.attention_impl)
     if mesh is not None:  # place the weights once (not per prompt), before a drafter shares them
         model = jspec.sharding.shard_model(model, mesh)

@@ -9,7 +9,11 @@ instructions, "cpu" for one without, "gpu", "tpu"; `$JSPEC_MACHINE_CLASS` overri
      machine: `$JSPEC_DEFAULTS`, else `~/.config/jspec/defaults.json`;
   2. the shipped record, `jspec/assets/defaults.json`, measured on 2-core CPUs of each class
      (docs/BENCHMARKS.md names the runs);
-  3. none: k = 5 (`FixedLength()`), and the CLI's float32.
+  3. none: k = 5 (`FixedLength()`), and the dtype of plain decoding (below).
+Plain decoding has a record too, keyed "plain" (`PLAIN`; dtype only): `plain_dtype()` is the
+dtype `generate` with no `--drafter` (or a drafter with no record) decodes in, so plain and
+speculative decoding agree on dtype unless told otherwise: bfloat16 on `cpu-bf16`, float32 on
+`cpu`, float32 on a class with no record.
 A record may also name a proposer to wrap around the drafter (`"proposer": "ngram"`: the
 measured-best configuration is `NAME+ngram`); `resolve(NAME)` gives that spec, which
 `generate --drafter NAME` (lossless, chain lengths) and `load_drafter(NAME, best=True)` load.
@@ -32,6 +36,7 @@ from jspec.provenance import MACHINE_CLASSES, machine_class
 
 SHIPPED = Path(__file__).parent / "assets" / "defaults.json"
 DTYPES = ("float32", "bfloat16")
+PLAIN = "plain"  # the record key of plain (autoregressive) decoding: its dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +121,20 @@ def lookup(spec: str, machine: str | None = None) -> Record | None:
         if key in table:
             return _record(table[key], path, f"{cls}/{key}")
     return None
+
+
+def plain_dtype(machine: str | None = None) -> str:
+    """The dtype plain decoding measured fastest on a machine class (default: this machine's):
+    the "plain" record's (the user's, else the shipped one), else float32."""
+    record = lookup(PLAIN, machine)
+    return record.dtype if record is not None else "float32"
+
+
+def dtype_for(spec: str | None, machine: str | None = None) -> str:
+    """The dtype `generate` decodes in when not told: the drafter's record's, else (no drafter,
+    or one with no record) plain decoding's, so the two agree unless a record says otherwise."""
+    record = lookup(spec, machine) if spec else None
+    return record.dtype if record is not None else plain_dtype(machine)
 
 
 def resolve(spec: str, machine: str | None = None) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -50,6 +51,38 @@ def test_impl_flags_parse():
             build_parser().parse_args([*cmd, "--attention-impl", "triton"])
 
 
+def test_generate_dtype_is_the_measured_best(tmp_path, monkeypatch, capsys):
+    """With no --dtype, plain and speculative `generate` load the target in the dtype of the
+    machine class's records (`jspec.defaults.dtype_for`): the drafter's, else plain
+    decoding's; an explicit --dtype wins. (The model load is stopped: only the choice runs.)"""
+    from jspec.errors import JspecError
+
+    seen = []
+
+    def load_model(name, dtype=None, **kw):
+        seen.append(dtype)
+        raise JspecError("stopped")
+
+    monkeypatch.setattr(jspec, "load_model", load_model)
+    user = tmp_path / "user.json"
+    user.write_text(json.dumps({"cpu": {"plain": {"dtype": "bfloat16", "source": "t"}}}))
+    for cls, extra, want in [
+            ("cpu", [], "float32"), ("cpu-bf16", [], "bfloat16"), ("gpu", [], "float32"),
+            ("cpu-bf16", ["--drafter", "ngram"], "bfloat16"),
+            ("cpu", ["--drafter", "ngram"], "float32"),
+            ("cpu-bf16", ["--drafter", "early-exit:3"], "bfloat16"),  # no record: plain's
+            ("cpu-bf16", ["--dtype", "float32"], "float32"),
+            ("cpu-bf16", ["--drafter", "ngram", "--dtype", "float32"], "float32"),
+            ("cpu", ["user"], "bfloat16")]:  # the user's plain record wins over the shipped
+        monkeypatch.setenv("JSPEC_MACHINE_CLASS", cls)
+        if extra == ["user"]:
+            monkeypatch.setenv("JSPEC_DEFAULTS", str(user))
+            extra = []
+        assert main(["generate", "--prompt", "hi", *extra]) == 2
+        assert seen.pop() == want, (cls, extra)
+    capsys.readouterr()
+
+
 def test_bad_prompts_file(tmp_path, capsys):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')
@@ -95,8 +128,11 @@ def test_real_json_output_and_drafter(real_model, tmp_path, capsys, monkeypatch)
         assert rec["new_tokens"] == len(rec["token_ids"]) and "Paris" in rec["text"]
         return rec
 
+    # Plain decoding in the measured-best dtype of the machine class (its "plain" record):
+    # float32 on a `cpu` machine.
+    env = {**os.environ, "JSPEC_MACHINE_CLASS": "cpu"}
     proc = subprocess.run([sys.executable, "-m", "jspec", *argv], capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr
     plain = check(json.loads(proc.stdout.strip().splitlines()[-1]))
     command = plain["provenance"]["command"]  # (in this process it would be pytest's)
@@ -108,7 +144,7 @@ def test_real_json_output_and_drafter(real_model, tmp_path, capsys, monkeypatch)
             monkeypatch.setenv("JSPEC_DEFAULTS", str(user))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            assert main([*argv, "--drafter", drafter, *extra]) == 0
+            assert main([*argv, *(("--drafter", drafter) if drafter else ()), *extra]) == 0
         out, err = capsys.readouterr()
         return json.loads(out.strip().splitlines()[-1]), err, caught
 
@@ -133,6 +169,13 @@ def test_real_json_output_and_drafter(real_model, tmp_path, capsys, monkeypatch)
     # Said once, as the note: the library's PlainDecodingWarning is not raised as well.
     assert not [w for w in caught if issubclass(w.category, jspec.PlainDecodingWarning)]
     assert rec["mean_accepted"] == 1.0
+    # Plain decoding (no --drafter) on that class: its "plain" record's bfloat16 (the shipped
+    # one: plain bfloat16 measured faster there), the dtype the drafters' records use too; an
+    # explicit --dtype wins.
+    assert defaults.plain_dtype("cpu-bf16") == "bfloat16"
+    rec, err, _ = run(cls="cpu-bf16", user=tmp_path / "none.json", drafter=None)
+    assert rec["provenance"]["dtype"] == "bfloat16" and "Paris" in rec["text"]
+    assert rec["provenance"]["drafter"] is None and rec["mean_accepted"] == 1.0
     # The newcomer's command on the real drafter: the shipped cpu record's configuration (with
     # the proposer it names, said on stderr), greedy-identical. (--drafter-alone skips
     # `defaults.resolve`; not run again here: a second EAGLE-3 compile costs the suite ~20 s.)

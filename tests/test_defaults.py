@@ -40,7 +40,8 @@ def test_shipped_records_are_valid_and_name_shipped_drafters():
     assert {"cpu", "cpu-bf16"} <= set(data), "both CPU classes have measured records"
     for cls, table in data.items():
         for name, raw in table.items():
-            assert defaults.base_name(name).split("+")[0] in (*SHIPPED, "ngram"), name
+            assert defaults.base_name(name).split("+")[0] in (*SHIPPED, "ngram",
+                                                              defaults.PLAIN), name
             rec = defaults.Record(**raw)
             assert rec.source, f"{cls}/{name}: a shipped record says where it was measured"
             if rec.proposer:  # a proposer `load_drafter` knows, measured in the named run
@@ -50,6 +51,9 @@ def test_shipped_records_are_valid_and_name_shipped_drafters():
     # both CPU classes, and each dtype is the one measured faster on that class.
     for cls, dtype in (("cpu", "float32"), ("cpu-bf16", "bfloat16")):
         assert defaults.lookup("smollm2-135m-eagle3", machine=cls).dtype == dtype, cls
+        # ... and plain decoding's record agrees: `generate` with and without --drafter
+        # decodes in the same dtype.
+        assert defaults.plain_dtype(cls) == dtype, cls
 
 
 @pytest.mark.parametrize("flags, cls", [
