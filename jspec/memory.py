@@ -24,11 +24,25 @@ from jspec.errors import JspecError
 GiB = 2**30
 
 
+def device_stats(device: Any = None) -> dict[str, int] | None:
+    """The device's (default: the first one's) `bytes_in_use`, `peak_bytes_in_use` (the
+    process's running peak) and `bytes_limit` where its backend reports them (GPU/TPU), else
+    None (CPU)."""
+    device = device or jax.devices()[0]
+    try:
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    except Exception:  # some backends raise instead of returning None
+        return None
+    if not stats:
+        return None
+    return {k: int(stats[k]) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")
+            if k in stats}
+
+
 def free_bytes(device: Any = None) -> int | None:
     """Memory the device can still allocate: `bytes_limit - bytes_in_use` where the backend
     reports it (GPU/TPU), else the host's MemAvailable (CPU); None when unknown."""
-    device = device or jax.devices()[0]
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    stats = device_stats(device)
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
     try:

@@ -4,7 +4,7 @@
 later from its JSON: `python -m jspec plot BENCH.json OUT.png`): acceptance by draft position
 per drafter, speedup and τ against K (tree drafters: against the nodes verified per round),
 the verification cost curve c(K), and tokens/s against batch size when the JSON has rows with
-a `batch` (scripts/gpu_e2e.py's autoregressive rows). `plot_training(log.jsonl, OUT.png)`
+a `batch` (`python -m jspec.gpu_e2e`'s autoregressive rows). `plot_training(log.jsonl, OUT.png)`
 draws a `python -m train eagle3|dflash` run: loss and held-out simulated τ per step.
 """
 

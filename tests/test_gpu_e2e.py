@@ -1,4 +1,4 @@
-"""scripts/gpu_e2e.py's CPU dry run (--tiny): every section, an injected failure, the time
+"""`python -m jspec.gpu_e2e`'s CPU dry run (--tiny): every section, an injected failure, the time
 budget, and a kill mid-run (the JSON is rewritten after every row)."""
 
 from __future__ import annotations
@@ -16,12 +16,11 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "gpu_e2e.py"
 SECTIONS = ("setup", "autoregressive", "speculative", "cost_curve", "llama8b", "kernel_check")
 
 
 def _cmd(out: Path, *flags: str) -> list[str]:
-    return [sys.executable, str(SCRIPT), "--tiny", "--out", str(out), *flags]
+    return [sys.executable, "-m", "jspec.gpu_e2e", "--tiny", "--out", str(out), *flags]
 
 
 def _env() -> dict[str, str]:

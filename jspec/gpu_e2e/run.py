@@ -1,32 +1,5 @@
-"""End to end on a GPU (issue 21): every speed number of jspec's decoding in one process.
-
-Sections of the JSON (`--out FILE`, rewritten after every row, so a kill loses nothing):
-  * `setup`: loading the target, the drafters and the prompt sets (one row each).
-  * `autoregressive`: greedy tokens/s of SmolLM2-135M at batch 1, 16, 64 (`jspec.bench.decode_tps`:
-    EOS ignored, compile excluded, prefill subtracted), per `attention_impl`.
-  * `speculative`: lossless speculative decoding (`jspec.Lossless()`) on held-out HumanEval,
-    GSM8K and MT-Bench prompts (the first `--prompts-per-set` of each held-out range in
-    `train.datagen.SPLITS`), batch 1, one prompt at a time (as `jspec bench`): n-gram, EAGLE-3,
-    DFlash at `--ks`, D²SD at its block; T = 0 and 1; "xla" and "pallas" attention. tokens/s,
-    τ (`out.stats.mean_accepted()`), speedup over the autoregressive row of the same
-    temperature and attention in the same run, and over the faster autoregressive row.
-  * `cost_curve`: c(K) = t(K+1 tokens) / t(1) of the target and c(tree) = t(T nodes) / t(1) for
-    binary trees of `--tree-sizes` nodes (`jspec.cost.cost_curve`), per attention impl.
-  * `llama8b`: the same curves on a random-weight model of Llama-3-8B's shape (`--llama-layers`
-    of its 32 layers), weights made directly in `--dtype` on the device.
-  * `kernel_check`: the forward through the Pallas tree-attention kernel against the XLA path
-    (same weights, a random-filled cache, a tree of the largest `--tree-sizes` nodes): logits
-    error and argmax agreement, on both models.
-Every row holds the device's memory statistics after it (`peak_bytes_in_use` is the process's
-running peak: a row shows its own peak only where it raised it; null where the backend reports
-none) and, if it failed, `"error"` (the run goes on). `--time-budget` stops starting new rows.
-Rows run in priority order (batch-1 autoregressive, then T = 0 speculative rows at one K, the
-cost curves, the 8B-shape model, the other batches, T = 1, the other Ks) so that a budget cut
-drops the least needed.
-
-    python scripts/gpu_e2e.py --out $OUT/gpu_e2e.json --time-budget 480     # on a GPU
-    python scripts/gpu_e2e.py --tiny --out /tmp/gpu_e2e_tiny.json           # CPU dry run
-"""
+"""The rows of `python -m jspec.gpu_e2e` (see jspec/gpu_e2e/__init__.py), their order, and its
+command line."""
 
 from __future__ import annotations
 
@@ -35,53 +8,40 @@ import dataclasses
 import fnmatch
 import functools
 import gc
-import json
-import os
-import platform
-import shlex
-import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a checkout where jspec is not installed (the GPU box)
-    sys.path.insert(0, str(ROOT))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import jaxlib  # noqa: E402
-import numpy as np  # noqa: E402
+import jspec
+from jspec.bench import BENCH_PROMPT, decode_tps
+from jspec.cost import cost_curve
+from jspec.gpu_e2e import __doc__ as DOC
+from jspec.gpu_e2e.models import (
+    LLAMA3_8B,
+    SMOLLM2_SHAPE,
+    TINY_LLAMA,
+    TINY_TARGET,
+    binary_parents,
+    byte_encode,
+    normal,
+    param_bytes,
+    random_model,
+    tiny_drafters,
+)
+from jspec.gpu_e2e.report import SECTIONS, Recorder, markdown, provenance
+from jspec.models import KVCache, Model, Tree, forward
+from jspec.models.cache import storage_dtype, to_storage
+from jspec.prompts import load_prompt_set
+from jspec.state import bucket_length
 
-import jspec  # noqa: E402
-from jspec.bench import BENCH_PROMPT, decode_tps  # noqa: E402
-from jspec.cost import cost_curve  # noqa: E402
-from jspec.drafters import d2sd, dflash, eagle3  # noqa: E402
-from jspec.drafters.trained import DrafterConfig, from_flat, to_flat  # noqa: E402
-from jspec.models import KVCache, Model, ModelConfig, Tree, forward, init_weights  # noqa: E402
-from jspec.prompts import load_prompt_set  # noqa: E402
-from jspec.state import bucket_length  # noqa: E402
-
-SECTIONS = ("setup", "autoregressive", "speculative", "cost_curve", "llama8b", "kernel_check")
 SHIPPED = {"eagle3": "smollm2-135m-eagle3", "dflash": "smollm2-135m-dflash",
            "d2sd": "smollm2-135m-d2sd", "ngram": "ngram"}
-LABELS = {"ngram": "n-gram", "eagle3": "EAGLE-3", "dflash": "DFlash", "d2sd": "D²SD"}
-# SmolLM2-135M-Instruct's shape: the autoregressive and c(K) rows fall back to random weights
-# of this shape when the real model cannot be loaded (timings do not depend on the values).
-SMOLLM2_SHAPE = ModelConfig(arch="llama", vocab_size=49152, hidden_size=576, num_layers=30,
-                            num_heads=9, num_kv_heads=3, head_dim=64, ffn_size=1536,
-                            rope_theta=100000.0, tie_embeddings=True, max_position=8192,
-                            bos_id=1, eos_ids=(2,))
-# Llama-3-8B: 32 layers, 4096 hidden, GQA 32 query / 8 KV heads of 128, FFN 14336, 128k vocab.
-LLAMA3_8B = ModelConfig(arch="llama", vocab_size=128256, hidden_size=4096, num_layers=32,
-                        num_heads=32, num_kv_heads=8, head_dim=128, ffn_size=14336,
-                        rope_theta=500000.0, tie_embeddings=False, max_position=131072)
-# --tiny: the same code paths at sizes a 2-core CPU runs in about two minutes.
-TINY_TARGET = ModelConfig(arch="llama", vocab_size=256, hidden_size=32, num_layers=2,
-                          num_heads=4, num_kv_heads=2, head_dim=8, ffn_size=48, eos_ids=(1,))
 # --tiny also leaves out rows whose code paths other tiny rows already run (one compile is
 # seconds on a 2-core CPU): T = 1 through the kernel; EAGLE-3 / DFlash through the kernel (the
 # n-gram and D²SD rows run the chain and tree kernel paths, D²SD with the target's features);
@@ -90,226 +50,8 @@ TINY_TARGET = ModelConfig(arch="llama", vocab_size=256, hidden_size=32, num_laye
 TINY_SKIP = ("speculative/T=1 pallas *", "speculative/T=0 pallas eagle3 *",
              "speculative/T=0 pallas dflash *", "speculative/T=1 * dflash *",
              "llama8b/* pallas", "kernel_check/tiny-llama *", "autoregressive/batch 4 pallas")
-TINY_LLAMA = ModelConfig(arch="llama", vocab_size=512, hidden_size=64, num_layers=2,
-                         num_heads=8, num_kv_heads=2, head_dim=8, ffn_size=224,
-                         tie_embeddings=False)
 
 
-# ---------------------------------------------------------------------------------------------
-# Models and drafters
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any, scale: float) -> jax.Array:
-    """dtype[shape] N(0, scale²) drawn directly in `dtype` on the default device."""
-    return scale * jax.random.normal(key, shape, dtype)
-
-
-def random_model(config: ModelConfig, seed: int = 0, scale: float = 0.02) -> Model:
-    """A Model with random weights of `config`'s shape, built leaf by leaf on the device.
-
-    `jax.eval_shape(init_weights)` gives the pytree without allocating it; each matrix is then
-    drawn directly in its dtype (no float32 copy of an 8B model), norms are ones.
-    """
-    abstract = jax.eval_shape(functools.partial(init_weights, config), jax.random.key(0))
-    key = jax.random.key(seed)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-    leaves = []
-    for i, (path, a) in enumerate(flat):
-        name = jax.tree_util.keystr(path)
-        if "norm" in name:
-            leaves.append(jnp.ones(a.shape, a.dtype))
-        else:
-            leaves.append(_normal(jax.random.fold_in(key, i), tuple(a.shape), a.dtype,
-                                  1.0 if name == ".embed" else scale))
-    return Model(config=config, weights=jax.tree_util.tree_unflatten(treedef, leaves),
-                 name=f"random-{config.num_layers}L-{config.hidden_size}")
-
-
-def param_bytes(config: ModelConfig) -> int:
-    """Bytes of `config`'s weights, from `jax.eval_shape` (nothing allocated)."""
-    abstract = jax.eval_shape(functools.partial(init_weights, config), jax.random.key(0))
-    return int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract)))
-
-
-def tiny_drafters(target: Model) -> dict[str, Any]:
-    """Random-weight EAGLE-3, DFlash and D²SD drafters of a tiny target, and the n-gram one.
-
-    Shapes as in the tests' tiny drafters: one EAGLE-3 layer reading layers 0-2, two DFlash
-    layers reading 1-2 with a block of 6 (D²SD: chain k <= 5, 4 branches of 1).
-    """
-    c = target.config
-
-    def cfg(kind: str) -> DrafterConfig:
-        return DrafterConfig(kind=kind, hidden_size=c.hidden_size, num_heads=4, num_kv_heads=2,
-                             head_dim=8, ffn_size=40, num_layers=1 if kind == "eagle3" else 2,
-                             feature_layers=(0, 1, 2) if kind == "eagle3" else (1, 2),
-                             draft_vocab=64, target_vocab=c.vocab_size, rope_theta=c.rope_theta,
-                             rms_eps=c.rms_eps, block=4 if kind == "eagle3" else 6,
-                             target="tiny")
-
-    rng = np.random.default_rng(3)
-
-    def params(mod: Any, kind: str) -> Any:
-        # The parameter shapes from `init_params` without running it (jax.random compiles per
-        # shape: seconds on a small CPU), filled by numpy: norms and feature std one, feature
-        # mean and verification head zero, matrices N(0, 1/fan_in), vectors N(0, 0.02²).
-        shapes = jax.eval_shape(functools.partial(mod.init_params, cfg(kind)), jax.random.key(0))
-        out = {}
-        for name, a in to_flat(shapes).items():
-            leaf = name.rsplit(".", 1)[-1]
-            if "norm" in leaf or leaf == "feat_std":
-                x = np.ones(a.shape)
-            elif leaf == "feat_mean" or leaf.startswith("vh_"):
-                x = np.zeros(a.shape)
-            else:
-                x = rng.standard_normal(a.shape) * (a.shape[0] ** -0.5 if a.ndim == 2 else 0.02)
-            out[name] = jnp.asarray(x, a.dtype)
-        return from_flat(kind, out)
-
-    vocab = np.sort(np.random.default_rng(0).permutation(c.vocab_size)[:64])
-    e3 = eagle3.make(cfg("eagle3"), params(eagle3, "eagle3"), vocab, target.weights,
-                     name="tiny-eagle3")
-    df = dflash.make(cfg("dflash"), params(dflash, "dflash"), vocab, target.weights,
-                     name="tiny-dflash")
-    tree = d2sd.make(df, dataclasses.replace(cfg("dflash"), kind="d2sd"), params(dflash, "dflash"),
-                     vocab, target.weights, name="tiny-d2sd")
-    return {"ngram": jspec.NGram(), "eagle3": e3, "dflash": df, "d2sd": tree}
-
-
-def binary_parents(n: int) -> np.ndarray:
-    """i32[n] parents of a complete binary tree of n nodes (node 0 the root, parent -1)."""
-    return np.asarray([-1] + [(t - 1) // 2 for t in range(1, n)], np.int32)
-
-
-def byte_encode(text: str, vocab: int, max_len: int = 24) -> list[int]:
-    """--tiny's stand-in for a tokenizer: UTF-8 bytes mod the vocabulary, at most max_len."""
-    ids = [2 + b % (vocab - 2) for b in text.encode()][:max_len]  # ids 0, 1 (EOS) unused
-    return ids or [2]
-
-
-# ---------------------------------------------------------------------------------------------
-# Recording
-
-
-def memory_stats() -> dict[str, int] | None:
-    """The first device's bytes in use and peak bytes in use, or None where not reported."""
-    try:
-        st = jax.devices()[0].memory_stats()
-    except Exception:  # some backends raise instead of returning None
-        return None
-    if not st:
-        return None
-    return {k: int(st[k]) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")
-            if k in st}
-
-
-def provenance(argv: list[str]) -> dict[str, Any]:
-    """Where and how this run happened: device, versions, the exact command line, git state."""
-
-    def git(*cmd: str) -> str | None:
-        try:
-            out = subprocess.run(["git", "-C", str(ROOT), *cmd], capture_output=True, text=True,
-                                 timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return out.stdout.strip() if out.returncode == 0 else None
-
-    devs = jax.devices()
-    dirty = git("status", "--porcelain")  # None where the checkout has no .git (a copied tree)
-    return {"backend": jax.default_backend(), "device_kind": devs[0].device_kind,
-            "device_count": len(devs), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-            "python": platform.python_version(), "machine": platform.machine(),
-            "command": shlex.join([sys.executable, *argv]), "argv": argv,
-            "git_commit": git("rev-parse", "HEAD"),
-            "git_dirty": None if dirty is None else bool(dirty),
-            "xla_flags": os.environ.get("XLA_FLAGS"), "jspec_cache": os.environ.get("JSPEC_CACHE"),
-            "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-
-
-@dataclasses.dataclass
-class Recorder:
-    """Runs rows one by one under the time budget; every row is written to the JSON at once."""
-
-    doc: dict[str, Any]
-    out: Path | None
-    budget: float | None
-    t0: float = dataclasses.field(default_factory=time.perf_counter)
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def write(self) -> None:
-        """Rewrite the JSON atomically (a kill mid-write leaves the previous version)."""
-        self.doc["status"]["elapsed_s"] = round(self.elapsed(), 3)
-        if self.out is None:
-            return
-        tmp = self.out.with_name(self.out.name + ".tmp")
-        tmp.write_text(json.dumps(self.doc, indent=1, default=_jsonable))
-        tmp.replace(self.out)
-
-    def run(self, section: str, name: str, fn: Callable[[], dict[str, Any]],
-            meta: dict[str, Any] | None = None) -> dict[str, Any] | None:
-        """Run one row: fn() -> fields; an exception becomes the row's "error" and the run goes on.
-
-        Returns the row, or None when the time budget stopped it from starting.
-        """
-        if self.budget is not None and self.elapsed() >= self.budget:
-            self.doc["status"]["stopped_early"] = True
-            self.doc["status"]["skipped"].append(f"{section}/{name}")
-            self.write()
-            return None
-        row: dict[str, Any] = {"name": name, **(meta or {})}
-        self.doc["status"]["running"] = f"{section}/{name}"  # a kill mid-row says which row
-        self.write()
-        before = memory_stats()
-        t = time.perf_counter()
-        try:
-            row.update(fn())
-            row["error"] = None
-        except Exception as e:  # a compile error, an OOM, a missing file: record and go on
-            row["error"] = f"{type(e).__name__}: {e}"[:2000]
-            row["traceback"] = traceback.format_exc()[-3000:]
-        row["seconds"] = round(time.perf_counter() - t, 3)
-        row["memory"] = memory_stats()
-        row["memory_before"] = before
-        self.doc[section].append(row)
-        self.doc["status"]["running"] = None
-        finish_speedups(self.doc)
-        self.write()
-        status = "ERROR " + row["error"][:160] if row["error"] else "ok"
-        print(f"[{self.elapsed():7.1f}s] {section}/{name}: {status} ({row['seconds']:.1f}s)",
-              flush=True)
-        return row
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, np.generic):
-        return x.item()
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    return str(x)
-
-
-def finish_speedups(doc: dict[str, Any]) -> None:
-    """Speedups of speculative rows over the autoregressive row of the same T and attention
-    (and over the fastest autoregressive row of that T), overall and per prompt set."""
-    ar = {(r["temperature"], r["attention_impl"]): r for r in doc["speculative"]
-          if r["drafter"] == "autoregressive" and not r["error"]}
-    for r in doc["speculative"]:
-        if r["error"]:
-            continue
-        same = ar.get((r["temperature"], r["attention_impl"]))
-        best = max((a["tokens_per_s"] for (t, _), a in ar.items() if t == r["temperature"]),
-                   default=None)
-        r["speedup"] = r["tokens_per_s"] / same["tokens_per_s"] if same else None
-        r["speedup_vs_best_ar"] = r["tokens_per_s"] / best if best else None
-        for s, v in r["per_set"].items():
-            base = same["per_set"].get(s) if same else None
-            v["speedup"] = v["tokens_per_s"] / base["tokens_per_s"] if base else None
-
-
-# ---------------------------------------------------------------------------------------------
 # The measurements
 
 
@@ -419,7 +161,8 @@ def speculative_row(res: Resources, temperature: float, impl: str, drafter: str 
             extra = {"k": k, "tree_nodes": d.tree_size(k)}
         kw.update(drafter=d, length=jspec.FixedLength(k), verifier=jspec.Lossless())
     t = time.perf_counter()  # compile (and one decode) outside the timed region
-    jax.block_until_ready(jspec.generate(model, ids[:1], lengths[:1], **kw))
+    jax.block_until_ready(jspec.generate(model, ids[:1], lengths[:1],
+                                        key=jax.random.key(0), **kw))
     compile_s = time.perf_counter() - t
     per: dict[str, dict[str, float]] = {}
     acc_at = None
@@ -478,12 +221,15 @@ def kernel_check_row(model: Model, nodes: int, fill: int) -> dict[str, Any]:
     cfg = model.config
     cap = -(-(fill + nodes + 1) // 128) * 128
     key = jax.random.key(7)
-    shape = (1, cap, cfg.num_kv_heads, cfg.head_dim)
+    shape = (1, cfg.num_kv_heads, cap, cfg.head_dim)  # the cache's head-major layout
     ks = jax.random.split(key, 2 * cfg.num_layers + 1)
-    cache = KVCache(k=tuple(_normal(ks[i], shape, cfg.jnp_dtype, 1.0)
-                            for i in range(cfg.num_layers)),
-                    v=tuple(_normal(ks[cfg.num_layers + i], shape, cfg.jnp_dtype, 1.0)
-                            for i in range(cfg.num_layers)),
+    buf = storage_dtype(cfg.jnp_dtype)  # bfloat16 is stored as its uint16 bits
+
+    def filled(i: int) -> jax.Array:
+        return to_storage(normal(ks[i], shape, cfg.jnp_dtype, 1.0), buf)
+
+    cache = KVCache(k=tuple(filled(i) for i in range(cfg.num_layers)),
+                    v=tuple(filled(cfg.num_layers + i) for i in range(cfg.num_layers)),
                     lengths=jnp.asarray([fill], jnp.int32))
     toks = jax.random.randint(ks[-1], (1, nodes), 2, cfg.vocab_size, jnp.int32)  # i32[1, T]
     parents = jnp.asarray(binary_parents(nodes))  # i32[T]
@@ -503,7 +249,6 @@ def kernel_check_row(model: Model, nodes: int, fill: int) -> dict[str, Any]:
             "finite": bool(np.isfinite(p).all())}
 
 
-# ---------------------------------------------------------------------------------------------
 # The plan
 
 Job = tuple[str, str, Callable[[], dict[str, Any]], dict[str, Any]]  # section, name, fn, meta
@@ -611,87 +356,14 @@ def plan(args: argparse.Namespace, res: Resources) -> list[Job]:
 # Tables
 
 
-def _f(x: Any, spec: str = ".2f", suffix: str = "") -> str:
-    return "–" if x is None else f"{x:{spec}}{suffix}"
-
-
-def _mib(row: dict[str, Any]) -> str:
-    peak = (row.get("memory") or {}).get("peak_bytes_in_use")
-    return _f(None if peak is None else peak / 2**20, ".0f")
-
-
-def markdown(doc: dict[str, Any]) -> str:
-    """The JSON's rows as markdown tables (errors listed at the end)."""
-    out: list[str] = []
-
-    def table(title: str, header: list[str], rows: list[list[str]]) -> None:
-        if not rows:
-            return
-        out.extend([f"\n### {title}\n", "| " + " | ".join(header) + " |",
-                    "|" + "---|" * len(header)])
-        out.extend("| " + " | ".join(r) + " |" for r in rows)
-
-    ok = [r for r in doc["autoregressive"] if not r["error"]]
-    table("Autoregressive (greedy, EOS ignored, prefill subtracted)",
-          ["batch", "attention", "weights", "decode tokens/s", "end-to-end tokens/s",
-           "peak MiB"],
-          [[str(r["batch"]), r["attention_impl"], r["weights"], _f(r["tokens_per_s"], ".1f"),
-            _f(r["end_to_end_tokens_per_s"], ".1f"), _mib(r)] for r in ok])
-    ok = sorted((r for r in doc["speculative"] if not r["error"]),
-                key=lambda r: (r["temperature"], r["attention_impl"], r["drafter"] != "autoregressive",
-                               r["drafter"], r["k"] or 0))
-    sets = list(dict.fromkeys(s for r in ok for s in r["per_set"]))
-    table("Speculative decoding (lossless, batch 1)",
-          ["T", "attention", "drafter", "K", "tokens/s", "speedup", "vs best AR", "τ",
-           *[f"τ {s}" for s in sets], "peak MiB"],
-          [[f"{r['temperature']:g}", r["attention_impl"], LABELS.get(r["drafter"], r["drafter"]),
-            str(r["k"]) if r["k"] else "–", _f(r["tokens_per_s"], ".1f"),
-            _f(r.get("speedup"), ".2f", "×"), _f(r.get("speedup_vs_best_ar"), ".2f", "×"),
-            _f(r["tau"]), *[_f(r["per_set"].get(s, {}).get("tau")) for s in sets], _mib(r)]
-           for r in ok])
-    for section, title in (("cost_curve", "Verify cost, target"),
-                           ("llama8b", "Verify cost, {shape} shape, {layers} layers, random weights")):
-        rows = [r for r in doc[section] if not r["error"] and "points" in r]
-        if rows and section == "llama8b":
-            title = title.format(shape=rows[0]["shape"], layers=rows[0]["layers"])
-        for kind, key in (("chain", "K"), ("tree", "nodes")):
-            sub = [r for r in rows if r.get("mask", r.get("kind")) == kind]
-            cols = list(dict.fromkeys(p[key] for r in sub for p in r["points"]))
-            table(f"{title}: c({key}) = t({'K+1 tokens' if kind == 'chain' else 'tree'}) / t(1), "
-                  f"fill {sub[0]['fill'] if sub else ''}",
-                  ["attention", "t(1) ms", *[f"{key}={c}" for c in cols]],
-                  [[r["attention_impl"], _f(r["ms_1"], ".3f"),
-                    *[_f(next((p["c"] for p in r["points"] if p[key] == c), None)) for c in cols]]
-                   for r in sub])
-    ok = [r for r in doc["kernel_check"] if not r["error"]]
-    table("Pallas tree attention inside the forward vs XLA",
-          ["model", "nodes", "fill", "max abs err (logits)", "rel err", "argmax agree"],
-          [[r["model"], str(r["nodes"]), str(r["fill"]), _f(r["max_abs_err"], ".3g"),
-            _f(r["rel_err"], ".3g"), _f(r["argmax_agree"], ".3f")] for r in ok])
-    errs = [(s, r) for s in SECTIONS for r in doc[s] if r["error"]]
-    table("Errors", ["section", "row", "error"],
-          [[s, r["name"], r["error"][:200].replace("|", "/").replace("\n", " ")]
-           for s, r in errs])
-    st = doc["status"]
-    out.append(f"\n{doc['provenance']['device_kind']} × {doc['provenance']['device_count']}, "
-               f"jax {doc['provenance']['jax']}, {doc['config']['dtype']}; "
-               f"{st['elapsed_s']:.0f} s; stopped early: {st['stopped_early']}"
-               + (f" ({len(st['skipped'])} rows not started)" if st["skipped"] else ""))
-    return "\n".join(out)
-
-
-# ---------------------------------------------------------------------------------------------
-# Command line
-
-
 def _ints(s: str) -> tuple[int, ...]:
     return tuple(int(x) for x in s.split(",") if x)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from train.datagen import SPLITS  # the held-out prompt ranges the drafters never saw
+    from train.datagen import SPLITS  # noqa: PLC0415 (held-out prompt ranges; train imports jspec)
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(description=DOC.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, help="JSON file, rewritten after every row")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -778,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()
               if k not in ("out",)}
     config["out"] = str(args.out) if args.out else None
-    doc: dict[str, Any] = {"provenance": provenance([sys.argv[0], *argv]), "config": config,
+    doc: dict[str, Any] = {"provenance": provenance(argv, args.dtype), "config": config,
                            "status": {"elapsed_s": 0.0, "stopped_early": False, "skipped": [],
                                       "complete": False, "running": None},
                            **{s: [] for s in SECTIONS}}
