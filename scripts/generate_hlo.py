@@ -1,7 +1,7 @@
 """The optimized HLO of a whole autoregressive `generate` (batch 1, 192-token prompt buffer, 96 new
 tokens, abstract weights), source locations stripped, for comparing two checkouts:
 `PYTHONPATH=A python scripts/generate_hlo.py DTYPE a.txt`, the same with B, then `cmp a.txt b.txt`
-(the source-file table is dropped). See also `scripts/forward_hlo.py` (the target forward alone).
+(the source-file table is dropped).
 """
 
 import dataclasses

@@ -107,9 +107,9 @@ def matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
 
     Elsewhere XLA:CPU runs a bfloat16 matmul with a single row on a slow path (measured on a
     CPU with AVX512-BF16: ~8x a float32 one, ~9x a two-row bfloat16 one), while two or more rows
-    take its fast bfloat16 GEMM (scripts/cpu_matmul_rows.py, docs/BENCHMARKS.md). So there a
-    one-row bfloat16 product is computed as two rows (the second zero) and the first kept:
-    static shapes, no effect elsewhere.
+    take its fast bfloat16 GEMM (docs/journal/2026-11-30.md; `git show
+    9eeace3:scripts/cpu_matmul_rows.py`). So there a one-row bfloat16 product is computed as
+    two rows (the second zero) and the first kept: static shapes, no effect elsewhere.
     """
     if spec not in _SPECS:
         raise ValueError(f"matmul: unsupported spec {spec!r}")
