@@ -2,7 +2,7 @@
 
 from jspec import sharding
 from jspec.decode import generate, stream
-from jspec.drafters import DraftModel, NGram, load_drafter
+from jspec.drafters import DraftModel, NGram, bind, load_drafter
 from jspec.errors import JspecError, ModelLoadError, PlainDecodingWarning
 from jspec.length import FixedLength, LibraSpec
 from jspec.models import Chain, KVCache, Model, ModelConfig, Tree, Weights, forward, load_model
@@ -32,6 +32,7 @@ __all__ = [
            "Stats",
            "Tree",
            "Weights",
+           "bind",
            "forward",
            "generate",
            "load_drafter",

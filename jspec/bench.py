@@ -208,7 +208,8 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
             kw.update(drafter=loaded[dname], length=length, verifier=verifier)
         call_kw[cfg] = (run_model, kw)
         results[cfg] = {"tps": [], "stats": None, "by_set": {p: {"tps": []} for p in sets}}
-        jax.block_until_ready(jspec.generate(run_model, padded[:1], lengths[:1], **kw).tokens)
+        jax.block_until_ready(jspec.generate(run_model, padded[:1], lengths[:1],
+                                             key=jax.random.key(0), **kw).tokens)
     for rep in range(args.repeats):
         # per configuration: tokens, seconds, summed stats, per set [tokens, seconds, rounds,
         # emitted]

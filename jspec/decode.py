@@ -99,8 +99,8 @@ def _generate_body(weights: Weights, drafter: Any, verifier: Any, prompt_ids: ja
     round_fn = make_round(config, weights, drafter, k=k, sampling=sampling, eos_ids=eos_ids,
                           verifier=verifier, length=length)
     state = run_rounds(_pinned_round(mesh, round_fn), state, max_new_tokens - 1)
-    return GenerateOutput(tokens=state.tokens, lengths=state.num_new, stats=state.stats,
-                          verifier=state.verifier)
+    return GenerateOutput(tokens=state.tokens, lengths=state.num_new, logprobs=state.logprobs,
+                          stats=state.stats, verifier=state.verifier)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -136,7 +136,7 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
              sampling: Sampling = Sampling(), verifier: Verifier | None = None,
              length: LengthPolicy | None = None, key: jax.Array | None = None,
              capacity: int | None = None,
-             attention_impl: str | None = None, mesh: Mesh | None = None
+             attention_impl: str | None = None, mesh: Mesh | bool | None = None
              ) -> GenerateOutput:
     """Generate up to `max_new_tokens` tokens per prompt; works inside a user's `jax.jit`.
 
@@ -154,20 +154,28 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
         under jit).
       drafter: None for plain autoregressive decoding. Given no `length=` and Lossless
         verification, a batch larger than `drafter.caps.max_batch` (the measured point past
-        which speculation stops paying, `jspec.defaults`) is decoded plainly: the same output
-        distribution, greedy the same tokens; pass `length=` to speculate regardless.
+        which speculation stops paying, `jspec.defaults`) is decoded plainly, with a
+        `PlainDecodingWarning`: the same output distribution, greedy the same tokens; pass
+        `length=` to speculate regardless. Inside a user's jit that switch is an error
+        instead (choose: `length=` to speculate, or drafter=None).
       max_new_tokens: static maximum of new tokens per row.
       sampling: `Sampling(temperature, top_k, top_p)`; temperature 0 is greedy.
-      key: PRNG key for sampling (default `jax.random.key(0)`).
+      key: PRNG key for sampling; required when sampling (temperature > 0: a missing key is
+        an error, so that a loop never reuses one silently); unused when greedy.
       capacity: static KV-cache slots (default: prompt bucket + max_new_tokens, rounded up).
       attention_impl: "auto" | "xla" | "pallas": overrides `model.config.attention_impl` for the
         target's forward passes (a drafter keeps its own config).
       mesh: static; run sharded on this `jax.sharding.Mesh` (axes "data" and "model", see
-        `jspec.sharding`); default: the mesh set with `jax.set_mesh`, if any, else one device.
-        Weights, drafter, prompts and the decode state are laid out by `jspec.sharding.RULES`.
+        `jspec.sharding`); weights, drafter, prompts and the decode state are laid out by
+        `jspec.sharding.RULES`. Default (None), called eagerly: the mesh set with
+        `jax.set_mesh`, if any, else one device. Inside a user's jit jspec sees only the
+        abstract context mesh, so there None under a `jax.set_mesh` context is an error: pass
+        the Mesh, or mesh=False to pin nothing (XLA propagates your inputs' shardings).
     Returns:
       GenerateOutput: tokens i32[B, max_new_tokens] (-1 after each row's end), lengths i32[B],
-      stats. Under a mesh, arrays are sharded over `data` by row.
+      logprobs f32[B, max_new_tokens] (log p of each token under the processed target
+      distribution; 0 after each row's end), stats. Under a mesh, arrays are sharded over
+      `data` by row.
     """
     statics, args = _prepare(model, prompt_ids, prompt_lengths, attention_mask, padding_side,
                              drafter, max_new_tokens, sampling, verifier, length, key, capacity,
@@ -182,7 +190,7 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
 def _prepare(model: Model, prompt_ids: Any, prompt_lengths: Any, attention_mask: Any,
              padding_side: str, drafter: Any, max_new_tokens: int, sampling: Sampling,
              verifier: Any, length: Any, key: jax.Array | None, capacity: int | None,
-             attention_impl: str | None, mesh: Mesh | None
+             attention_impl: str | None, mesh: Mesh | bool | None
              ) -> tuple[dict[str, Any], tuple[Any, ...]]:
     """What `generate` and `stream` share: validate the inputs, choose plain decoding where it
     is faster, fix the static arguments, place the inputs on the mesh. Returns the statics and
@@ -194,22 +202,61 @@ def _prepare(model: Model, prompt_ids: Any, prompt_lengths: Any, attention_mask:
     ids, lengths = validate_prompts(model, prompt_ids, prompt_lengths, max_new_tokens, capacity,
                                     attention_mask=attention_mask, padding_side=padding_side)
     ids = pad_to_bucket(ids)
+    traced = in_user_trace()
+    _check_mesh_argument(mesh, traced)
     if plain_is_faster(drafter, length, verifier, ids.shape[0]):
         limit = drafter.caps.max_batch
         where = "at every batch size" if limit == 0 else f"past batch {limit}"
+        if traced:
+            raise JspecError(
+                f"inside your jit, batch {ids.shape[0]} is {where} where this drafter's "
+                f"measured record says plain decoding is faster (caps.max_batch = {limit}); "
+                f"jspec does not switch a traced program silently: pass "
+                f"length=jspec.FixedLength(k) to speculate, or drafter=None to decode plainly")
         warnings.warn(PlainDecodingWarning(
             f"decoding plainly: this drafter's measured record says plain decoding is faster "
             f"{where} on this machine class (caps.max_batch = {limit}; batch {ids.shape[0]}); "
             f"the output distribution is the same. Pass length=jspec.FixedLength(k) to "
             f"speculate anyway, or re-measure with `python -m jspec calibrate`."), stacklevel=3)
         drafter, verifier = None, None
-    key = jax.random.key(0) if key is None else key
     statics = _statics(model, ids, drafter, sampling, max_new_tokens, verifier, length, capacity,
                        mesh)
+    if key is None:
+        if not sampling.greedy:
+            raise JspecError(f"sampling at temperature {sampling.temperature} needs a PRNG key: "
+                             "pass key=jax.random.key(seed) (in a loop, a new key each step, "
+                             "e.g. jax.random.fold_in(key, step))")
+        key = jax.random.key(0)  # greedy decoding draws nothing
     verifier = statics.pop("verifier")
     with sharding.using(statics["mesh"]):
         args = _place_inputs(statics["mesh"], model, drafter, verifier, ids, lengths, key)
     return statics, args
+
+
+def in_user_trace() -> bool:
+    """True when `generate` is called inside a trace (a user's jit, vmap, scan, ...):
+    `jax.sharding.get_mesh` answers only outside one."""
+    try:
+        jax.sharding.get_mesh()
+    except ValueError:
+        return True
+    return False
+
+
+def _check_mesh_argument(mesh: Mesh | bool | None, traced: bool) -> None:
+    """`mesh=` None inside a user's jit under a `jax.set_mesh` context is an error that names
+    both choices (a Mesh, or False: pin nothing)."""
+    if mesh is True:
+        raise JspecError("mesh must be a jax.sharding.Mesh, None or False, got True")
+    if mesh is None and traced:
+        ctx = jax.sharding.get_abstract_mesh()
+        explicit = any(t == jax.sharding.AxisType.Explicit for t in ctx.axis_types)
+        if not ctx.empty and not explicit:  # Explicit: sharding.resolve_mesh's own error
+            raise JspecError(
+                f"generate inside your jit under a jax.set_mesh context (axes "
+                f"{ctx.axis_names}): jspec cannot read the concrete mesh there; pass mesh=<that "
+                f"Mesh> to lay the decode out by jspec.sharding.RULES, or mesh=False to pin "
+                f"nothing (XLA propagates your inputs' shardings)")
 
 
 def plain_is_faster(drafter: Any, length: Any, verifier: Any, batch: int) -> bool:
@@ -249,7 +296,7 @@ def _place_inputs(mesh: Mesh | None, model: Model, drafter: Any, verifier: Any, 
 
 
 def _statics(model: Model, ids: jax.Array, drafter: Any, sampling: Sampling, max_new_tokens: int,
-             verifier: Any, length: Any, capacity: int | None, mesh: Mesh | None = None
+             verifier: Any, length: Any, capacity: int | None, mesh: Mesh | bool | None = None
              ) -> dict[str, Any]:
 
     k = 0
@@ -272,7 +319,7 @@ def _statics(model: Model, ids: jax.Array, drafter: Any, sampling: Sampling, max
         raise JspecError("verifier= and length= need a drafter")
     # Slots a round writes beyond `last`: k, or a tree drafter's T - 1 nodes.
     look = 0 if drafter is None else drafter.caps.lookahead(k)
-    mesh = sharding.resolve_mesh(mesh)
+    mesh = None if mesh is False else sharding.resolve_mesh(mesh)
     platform = target_platform(mesh, model.weights, ids)
     cap = capacity or cache_capacity(ids.shape[1], max_new_tokens, look, platform)
     if cap < ids.shape[1] + max_new_tokens + look + 1:
@@ -307,13 +354,13 @@ def stream(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
            sampling: Sampling = Sampling(), verifier: Verifier | None = None,
            length: LengthPolicy | None = None, key: jax.Array | None = None,
            rounds_per_dispatch: int = 8,
-           attention_impl: str | None = None, mesh: Mesh | None = None):
+           attention_impl: str | None = None, mesh: Mesh | bool | None = None):
     """Yield (tokens i32[B, N], num_new i32[B], stats, all_done) after each dispatch.
 
     The same rounds as `generate`, `rounds_per_dispatch` of them per device dispatch; the host
     reads the state once per dispatch (not per token), which lets a terminal show text as it
-    is produced. `attention_mask`, `padding_side`, `attention_impl` and `mesh` as in
-    `generate`.
+    is produced. `attention_mask`, `padding_side`, `key` (required when sampling),
+    `attention_impl` and `mesh` as in `generate`.
     """
     statics, (weights, drafter, verifier, ids, lengths, key) = _prepare(
         model, prompt_ids, prompt_lengths, attention_mask, padding_side, drafter, max_new_tokens,

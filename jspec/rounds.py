@@ -23,7 +23,13 @@ from jspec.drafters.base import DraftContext, Drafter
 from jspec.length import FixedLength, LibraSpec
 from jspec.models.config import ModelConfig
 from jspec.models.llama import Chain, Tree, Weights, forward
-from jspec.sampling import Sampling, dense_q, sample
+from jspec.sampling import (
+    Sampling,
+    dense_q,
+    process_logits,
+    processed_logprobs,
+    sample_with_logprobs,
+)
 from jspec.state import SpecState, commit, features, is_eos, prefill
 from jspec.verify.base import Verifier
 
@@ -37,10 +43,10 @@ def autoregressive_round(config: ModelConfig, weights: Weights, state: SpecState
     with jax.named_scope("verify"):
         out = forward(config, weights, state.last[:, None], cache.lengths[:, None], cache)
     key, sub = jax.random.split(state.key)
-    nxt = sample(sub, out.logits[:, 0], sampling)
+    nxt, lp = sample_with_logprobs(sub, out.logits[:, 0], sampling)
     with jax.named_scope("commit"):
         state = commit(state, nxt[:, None], jnp.ones_like(nxt), eos_ids, out.cache,
-                       jnp.zeros_like(nxt), 0)
+                       jnp.zeros_like(nxt), 0, logprobs=lp[:, None])
     return dataclasses.replace(state, key=key)
 
 
@@ -74,6 +80,16 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
         depth = None if prop.is_chain else prop.depth()
     b = draft.shape[0]
     rows = jnp.arange(b)
+    m_emit = (draft.shape[1] if prop.is_chain else k) + 1  # tokens a round can emit
+
+    def emitted_logprobs(z, toks, n, nxt):
+        """f32[B, m_emit]: log p of the emitted tokens (toks i32[B, t] with nxt at n, each
+        chosen from processed logits z f32[B, t, V] at its own index), 0-padded past t. z is
+        processed from the verify forward's whole logits, as the verifier processes them, so
+        XLA computes that (top-p: a sort of the vocabulary) once."""
+        toks = jnp.concatenate([toks, jnp.zeros_like(nxt)[:, None]], axis=1)[:, :z.shape[1]]
+        lp = processed_logprobs(z, toks.at[rows, n].set(nxt))
+        return jnp.pad(lp, ((0, 0), (0, m_emit - lp.shape[1])))
 
     def feats_of(out, path):  # f32[B, k+1, F, D] target features along the path (or a dummy)
         if not fl:
@@ -91,11 +107,12 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
                 out = forward(config, weights, state.last[:, None], cache.lengths[:, None],
                               cache, hidden_layers=fl, write_cache=False)
             with jax.named_scope("accept"):
-                nxt = sample(k_verify, out.logits[:, 0], sampling)
+                nxt, lp = sample_with_logprobs(k_verify, out.logits[:, 0], sampling)
             n = jnp.zeros_like(nxt)
             path = None if prop.is_chain else jnp.zeros((b, k + 1), jnp.int32)
+            lp = jnp.pad(lp[:, None], ((0, 0), (0, m_emit - 1)))
             return (n, nxt, padded(out.new_kv), verifier.plain_step(vstate),
-                    feats_of(out, None), n, path, n)
+                    feats_of(out, None), n, path, n, lp)
 
         def run(cache, vstate):
             dw, vw = draft[:, :w], valid[:, :w]
@@ -135,6 +152,7 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
                     path = None
                     scored = jnp.sum(prop.valid[:, :w] & (jnp.arange(w)[None, :] < d[:, None]),
                                      axis=1, dtype=jnp.int32)
+                    lp = emitted_logprobs(process_logits(out.logits, sampling), dw, n, nxt)
                 else:
                     ok = jnp.concatenate([jnp.ones((b, 1), bool), vw], axis=1)
                     kw = {}
@@ -145,8 +163,14 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
                         vstate, k_verify, toks, par, dep, ok, out.logits, sampling, k, **kw)
                     oracle = n
                     scored = jnp.sum(prop.valid[:, :w], axis=1, dtype=jnp.int32)
+                    # The path's token at depth t + 1 was chosen from node path[:, t]'s logits.
+                    at = jnp.clip(path, 0, w)
+                    lp = emitted_logprobs(
+                        jnp.take_along_axis(process_logits(out.logits, sampling),
+                                            at[:, :, None], axis=1),
+                        jnp.take_along_axis(dw, jnp.maximum(at[:, 1:] - 1, 0), axis=1), n, nxt)
             return (n, nxt, padded(out.new_kv), vstate, feats_of(out, path), oracle, path,
-                    scored)
+                    scored, lp)
         return plain if w == 0 else run
 
     widths = policy.verify_widths_for(caps)
@@ -161,11 +185,11 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
     # cache buffer into the loop carry each round).
     branches = [verify_width(w) for w in widths]
     if len(branches) == 1:
-        n, nxt, new_kv, vstate, feats, oracle, path, scored = branches[0](cache,
-                                                                          state.verifier)
+        n, nxt, new_kv, vstate, feats, oracle, path, scored, lp = branches[0](
+            cache, state.verifier)
     else:  # the smallest static width the batch needs
         w_idx = jnp.sum(jnp.asarray(widths, jnp.int32) < need)
-        n, nxt, new_kv, vstate, feats, oracle, path, scored = jax.lax.switch(
+        n, nxt, new_kv, vstate, feats, oracle, path, scored, lp = jax.lax.switch(
             w_idx, branches, cache, state.verifier)
     with jax.named_scope("commit"):
         if prop.is_chain:
@@ -182,7 +206,7 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
         # verification (a chain: its first d; a tree: all), not the empty (-1) nodes of a
         # wider verify. Trees: no oracle length.
         state = commit(state, emitted, n + 1, eos_ids, new_cache, n, scored,
-                       oracle=oracle if prop.is_chain else None)
+                       oracle=oracle if prop.is_chain else None, logprobs=lp)
     return dataclasses.replace(state, key=key, drafter=dstate, verifier=vstate)
 
 

@@ -105,12 +105,41 @@ def probs(logits: jax.Array, sampling: Sampling) -> jax.Array:
     return jax.nn.softmax(x, axis=-1)
 
 
+def token_logprobs(logits: jax.Array, tokens: jax.Array, sampling: Sampling) -> jax.Array:
+    """f32[...]: log p(token) of i32[...] tokens under f32[..., V] logits' processed
+    distribution (temperature, top-k, top-p: the one sampled from; greedy: the plain softmax).
+
+    Written as `jax.nn.softmax` computes it (the maximum, exp of the shifted logits, their
+    sum), so that inside a verify pass XLA shares those reductions with the verifier's own
+    softmax of the same processed logits."""
+    return processed_logprobs(process_logits(logits, sampling), tokens)
+
+
+def processed_logprobs(z: jax.Array, tokens: jax.Array) -> jax.Array:
+    """f32[...]: log softmax(z)[token] of i32[...] tokens for `process_logits`' output z
+    f32[..., V]."""
+    m = jnp.max(z, axis=-1, keepdims=True)
+    s = jnp.sum(jnp.exp(z - m), axis=-1, keepdims=True)
+    z_tok = jnp.take_along_axis(z, tokens[..., None], axis=-1)
+    return (z_tok - m - jnp.log(s))[..., 0]
+
+
 def sample(key: jax.Array, logits: jax.Array, sampling: Sampling) -> jax.Array:
     """i32[...]: one token per row of f32[..., V] logits."""
     x = process_logits(logits, sampling)
     if sampling.greedy:
         return argmax(x)
     return categorical(key, x)
+
+
+def sample_with_logprobs(key: jax.Array, logits: jax.Array, sampling: Sampling
+                         ) -> tuple[jax.Array, jax.Array]:
+    """(i32[...] one token per row of f32[..., V] logits, f32[...] its log p under the
+    processed distribution): `sample` and `token_logprobs` over one processing of the logits
+    (top-p sorts the vocabulary; once per step, not twice)."""
+    x = process_logits(logits, sampling)
+    tok = argmax(x) if sampling.greedy else categorical(key, x)
+    return tok, processed_logprobs(x, tok)
 
 
 def sample_from_probs(key: jax.Array, p: jax.Array) -> jax.Array:

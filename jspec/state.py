@@ -19,7 +19,7 @@ from jspec.models.blocks import rms_normalize
 from jspec.models.cache import KVCache
 from jspec.models.config import ModelConfig
 from jspec.models.llama import Weights, forward, lm_logits
-from jspec.sampling import Sampling, sample
+from jspec.sampling import Sampling, sample_with_logprobs
 
 INVALID = -1  # the padding value of output token buffers
 
@@ -92,6 +92,7 @@ class SpecState:
     cache: KVCache  # target KV cache; lengths i32[B]
     seq: jax.Array  # i32[B, C] prompt + committed tokens; seq[b, cache.lengths[b]] == last[b]
     tokens: jax.Array  # i32[B, N] generated tokens, INVALID-padded
+    logprobs: jax.Array  # f32[B, N] log p of each generated token (`GenerateOutput.logprobs`)
     num_new: jax.Array  # i32[B] generated so far (including EOS)
     last: jax.Array  # i32[B] last committed token, not yet in the cache
     done: jax.Array  # bool[B] row finished (EOS or max_new_tokens)
@@ -104,8 +105,15 @@ class SpecState:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class GenerateOutput:
+    """What `generate` returns (a pytree: it leaves a user's jit as arrays)."""
+
     tokens: jax.Array  # i32[B, N] new tokens, INVALID (-1) after each row's end
     lengths: jax.Array  # i32[B] new tokens per row (EOS included when emitted)
+    # f32[B, N] log p of each new token under the target's processed distribution (the one
+    # sampled from: temperature, top-k, top-p; greedy: the plain softmax of the logits), read
+    # from the passes that chose the token; 0 after each row's end. A policy-gradient loss
+    # reads these instead of a second forward.
+    logprobs: jax.Array
     stats: Stats
     verifier: Any = None  # the verifier's final state (e.g. ASD's remaining budget)
 
@@ -138,20 +146,21 @@ def prefill(config: ModelConfig, weights: Weights, prompt_ids: jax.Array,
         last_h = jnp.take_along_axis(out.final_hidden, (prompt_lengths - 1)[:, None, None], axis=1)
         logits = lm_logits(config, weights, last_h[:, 0])  # [B, V]
     key, sub = jax.random.split(key)
-    first = sample(sub, logits, sampling)
+    first, first_lp = sample_with_logprobs(sub, logits, sampling)
     tokens = jnp.full((b, max_new_tokens), INVALID, jnp.int32).at[:, 0].set(first)
+    logprobs = jnp.zeros((b, max_new_tokens), jnp.float32).at[:, 0].set(first_lp)
     done = is_eos(first, eos_ids) | (max_new_tokens <= 1)
     seq = jnp.zeros((b, capacity), jnp.int32).at[:, :p].set(prompt_ids)
     seq = seq.at[jnp.arange(b), prompt_lengths].set(first)
     state = SpecState(cache=out.cache.with_lengths(prompt_lengths), seq=seq, tokens=tokens,
-                        num_new=jnp.ones((b,), jnp.int32), last=first, done=done, key=key,
-                        stats=Stats.zeros(b, draft_k))
+                      logprobs=logprobs, num_new=jnp.ones((b,), jnp.int32), last=first,
+                      done=done, key=key, stats=Stats.zeros(b, draft_k))
     return state, out
 
 
 def commit(state: SpecState, emitted: jax.Array, n_emit: jax.Array, eos_ids: tuple[int, ...],
            cache: KVCache, n_accepted: jax.Array, n_drafted: int | jax.Array,
-           oracle: jax.Array | None = None) -> SpecState:
+           oracle: jax.Array | None = None, logprobs: jax.Array | None = None) -> SpecState:
     """Append up to `n_emit` tokens per live row, stop rows at EOS / max_new_tokens.
 
     Args:
@@ -162,6 +171,7 @@ def commit(state: SpecState, emitted: jax.Array, n_emit: jax.Array, eos_ids: tup
       n_accepted: i32[B] accepted drafted tokens (for statistics).
       n_drafted: i32[B] (or an int) proposed tokens put up for verification this round.
       oracle: i32[B] or None: LibraSpec's oracle length this round (statistics).
+      logprobs: f32[B, M] or None: log p of each emitted token, stored beside it (None: 0).
     """
     b, m = emitted.shape
     n_max = state.tokens.shape[1]
@@ -175,6 +185,9 @@ def commit(state: SpecState, emitted: jax.Array, n_emit: jax.Array, eos_ids: tup
     rows = jnp.arange(b)[:, None]
     out_slot = jnp.where(keep, state.num_new[:, None] + j, n_max)  # n_max: dropped
     tokens = state.tokens.at[rows, out_slot].set(emitted, mode="drop")
+    lp = state.logprobs
+    if logprobs is not None:
+        lp = lp.at[rows, out_slot].set(logprobs.astype(lp.dtype), mode="drop")
     seq_slot = jnp.where(keep, state.cache.lengths[:, None] + 1 + j, state.seq.shape[1])
     seq = state.seq.at[rows, seq_slot].set(emitted, mode="drop")
     num_new = state.num_new + count
@@ -194,7 +207,7 @@ def commit(state: SpecState, emitted: jax.Array, n_emit: jax.Array, eos_ids: tup
         stats.oracle_gap = stats.oracle_gap + jnp.where(live, jnp.abs(n_drafted - oracle), 0)
     return dataclasses.replace(
         state, cache=cache.with_lengths(state.cache.lengths + count), seq=seq, tokens=tokens,
-        num_new=num_new, last=jnp.where(count > 0, new_last, state.last), done=done, stats=stats)
+        logprobs=lp, num_new=num_new, last=jnp.where(count > 0, new_last, state.last), done=done, stats=stats)
 
 
 def features(hidden: jax.Array, norm: str = "rms") -> jax.Array:

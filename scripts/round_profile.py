@@ -43,6 +43,7 @@ def main(spec: str, k: int, dtype: str, prompts: str) -> None:
     kw: dict = {"max_new_tokens": 96}
     if os.environ.get("TEMPERATURE"):
         kw["sampling"] = jspec.Sampling(temperature=float(os.environ["TEMPERATURE"]))
+        kw["key"] = jax.random.key(0)
     if spec != "none":
         kw["drafter"] = jspec.load_drafter(spec, target=model)
         kw["length"] = jspec.FixedLength(k)

@@ -107,7 +107,8 @@ def assert_second_call_compiles_nothing(model, prompts: list[list[int]], **kw) -
     lengths, one batch of 4) with another key: the second compiles nothing."""
     from jspec.decode import _generate
 
-    jspec.generate(model, *pad_prompts(prompts), **kw).tokens.block_until_ready()
+    jspec.generate(model, *pad_prompts(prompts), key=jax.random.key(2),
+                   **kw).tokens.block_until_ready()
     before = _generate._cache_size()
     ids, lens = pad_prompts([[40, 41, 42], [50], [3, 4], [60, 61, 62, 63]])
     jspec.generate(model, ids, lens, key=jax.random.key(3), **kw).tokens.block_until_ready()

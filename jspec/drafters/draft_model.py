@@ -27,7 +27,8 @@ class DraftModel(ChainDrafter):
     """Draft with a small model: k autoregressive steps, keeping each step's full q.
 
     `num_layers` < config.num_layers runs only the first layers (plus final norm and head):
-    `early-exit:N` uses the target's own weights that way.
+    `early-exit:N` uses the target's own weights that way (`shares_target`: `bind` gives it
+    a target's new weights).
     """
 
     weights: Weights
@@ -36,6 +37,7 @@ class DraftModel(ChainDrafter):
     name: str = dataclasses.field(metadata=dict(static=True), default="draft")
     default_k: int = dataclasses.field(metadata=dict(static=True), default=5)
     max_batch: int | None = dataclasses.field(metadata=dict(static=True), default=None)
+    shares_target: bool = dataclasses.field(metadata=dict(static=True), default=False)
 
     @property
     def caps(self) -> Capabilities:

@@ -155,6 +155,9 @@ class Eagle3(TrainedDrafter):
     cfg: DrafterConfig = dataclasses.field(metadata=dict(static=True))
     cut: float = dataclasses.field(metadata=dict(static=True), default=0.0)
     name: str = dataclasses.field(metadata=dict(static=True), default="eagle3")
+    # An imported checkpoint's own LM head / embedding (not the target's): `bind` keeps them.
+    own_head: bool = dataclasses.field(metadata=dict(static=True), default=False)
+    own_embed: bool = dataclasses.field(metadata=dict(static=True), default=False)
     default_k: int = dataclasses.field(metadata=dict(static=True), default=5)
     max_batch: int | None = dataclasses.field(metadata=dict(static=True), default=None)
 

@@ -412,11 +412,11 @@ def load_checkpoint(path: str | Path, target: Any = None, *, name: str | None = 
         raise JspecError(f"cut must be in [0, 1), got {cut}")
     mod = eagle3 if kind == "eagle3" else dflash
     d = mod.make(dcfg, from_flat(kind, params), vocab, target.weights, cut=cut, name=name or str(path))
-    repl = {}
+    repl: dict[str, Any] = {}
     if head is not None:
-        repl["head"] = head
+        repl.update(head=head, own_head=True)
     if embed is not None:
-        repl["embed"] = embed
+        repl.update(embed=embed, own_embed=True)
     return dataclasses.replace(d, **repl) if repl else d
 
 

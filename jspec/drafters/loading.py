@@ -183,7 +183,8 @@ def _early_exit(*, target: Any, name: str, layers: int | None = None) -> DraftMo
         raise JspecError(f"early-exit needs a layer count, e.g. early-exit:6, got {name!r}")
     if not 1 <= layers < target.config.num_layers:
         raise JspecError(f"early-exit:N needs 1 <= N < {target.config.num_layers}, got {layers}")
-    return DraftModel(weights=target.weights, config=target.config, num_layers=layers, name=name)
+    return DraftModel(weights=target.weights, config=target.config, num_layers=layers, name=name,
+                      shares_target=True)
 
 
 # Drafters named by a spec (files and directories are recognised by their path).
