@@ -4,6 +4,7 @@ from jspec import sharding
 from jspec.decode import generate, stream
 from jspec.drafters import DraftModel, NGram, bind, load_drafter
 from jspec.errors import JspecError, ModelLoadError, PlainDecodingWarning
+from jspec.inputs import bucket_prompts
 from jspec.length import FixedLength, LibraSpec
 from jspec.models import Chain, KVCache, Model, ModelConfig, Tree, Weights, forward, load_model
 from jspec.sampling import Sampling
@@ -33,6 +34,7 @@ __all__ = [
            "Tree",
            "Weights",
            "bind",
+           "bucket_prompts",
            "forward",
            "generate",
            "load_drafter",

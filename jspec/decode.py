@@ -2,7 +2,7 @@
 
 Static (changing these recompiles): the model config, `Sampling`, drafter/verifier/length
 objects, `max_new_tokens`, the prompt-length bucket, the cache capacity and the mesh.
-Dynamic: weights, prompt ids and lengths, the PRNG key.
+Dynamic: weights, prompt ids and lengths, the PRNG key, the per-row `limit` of new tokens.
 Under a mesh (`jspec.sharding`), inputs are placed and the carried state is pinned to the
 rules-table layout; the round functions themselves are the single-device code
 (`jspec.rounds`), over the state of `jspec.state`.
@@ -15,6 +15,7 @@ import warnings
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jspec import memory, platforms, sharding
@@ -75,18 +76,20 @@ def _pinned_round(mesh: Mesh | None, round_fn: Any) -> Any:
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _generate(weights: Weights, drafter: Any, verifier: Any, prompt_ids: jax.Array,
-              prompt_lengths: jax.Array, key: jax.Array, *, config: ModelConfig,
+              prompt_lengths: jax.Array, key: jax.Array, limit: jax.Array | None = None, *,
+              config: ModelConfig,
               sampling: Sampling, max_new_tokens: int, capacity: int,
               eos_ids: tuple[int, ...], k: int, length: Any = None,
               mesh: Mesh | None = None, platform: str | None = None) -> GenerateOutput:
     with platforms.compiling_for(platform):
         return _generate_body(weights, drafter, verifier, prompt_ids, prompt_lengths, key,
-                              config=config, sampling=sampling, max_new_tokens=max_new_tokens,
+                              limit, config=config, sampling=sampling, max_new_tokens=max_new_tokens,
                               capacity=capacity, eos_ids=eos_ids, k=k, length=length, mesh=mesh)
 
 
 def _generate_body(weights: Weights, drafter: Any, verifier: Any, prompt_ids: jax.Array,
-                   prompt_lengths: jax.Array, key: jax.Array, *, config: ModelConfig,
+                   prompt_lengths: jax.Array, key: jax.Array, limit: jax.Array | None, *,
+                   config: ModelConfig,
                    sampling: Sampling, max_new_tokens: int, capacity: int,
                    eos_ids: tuple[int, ...], k: int, length: Any = None,
                    mesh: Mesh | None = None) -> GenerateOutput:
@@ -94,7 +97,7 @@ def _generate_body(weights: Weights, drafter: Any, verifier: Any, prompt_ids: ja
         mesh, config, weights, drafter, verifier, prompt_ids, prompt_lengths)
     state = init_state(config, weights, drafter, prompt_ids, prompt_lengths, key,
                        sampling=sampling, max_new_tokens=max_new_tokens, capacity=capacity,
-                       eos_ids=eos_ids, k=k, verifier=verifier, length=length)
+                       eos_ids=eos_ids, k=k, verifier=verifier, length=length, limit=limit)
     state = _pin_state(mesh, state)
     round_fn = make_round(config, weights, drafter, k=k, sampling=sampling, eos_ids=eos_ids,
                           verifier=verifier, length=length)
@@ -135,7 +138,7 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
              drafter: Drafter | None = None, max_new_tokens: int = 128,
              sampling: Sampling = Sampling(), verifier: Verifier | None = None,
              length: LengthPolicy | None = None, key: jax.Array | None = None,
-             capacity: int | None = None,
+             capacity: int | None = None, limit: Any = None,
              attention_impl: str | None = None, mesh: Mesh | bool | None = None
              ) -> GenerateOutput:
     """Generate up to `max_new_tokens` tokens per prompt; works inside a user's `jax.jit`.
@@ -158,7 +161,9 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
         `PlainDecodingWarning`: the same output distribution, greedy the same tokens; pass
         `length=` to speculate regardless. Inside a user's jit that switch is an error
         instead (choose: `length=` to speculate, or drafter=None).
-      max_new_tokens: static maximum of new tokens per row.
+      max_new_tokens: static maximum of new tokens per row (the output's width).
+      limit: dynamic new tokens per row, an int or i32[] / i32[B] array clipped to [1,
+        max_new_tokens] (default: max_new_tokens): a loop varies it without a recompile.
       sampling: `Sampling(temperature, top_k, top_p)`; temperature 0 is greedy.
       key: PRNG key for sampling; required when sampling (temperature > 0: a missing key is
         an error, so that a loop never reuses one silently); unused when greedy.
@@ -184,7 +189,7 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
     with sharding.using(statics["mesh"]):
         if statics["mesh"] is None and not isinstance(ids, jax.core.Tracer):
             _check_memory(*args, statics)
-        return _generate(*args, **statics)
+        return _generate(*args, _limit(limit, ids.shape[0]), **statics)
 
 
 def _prepare(model: Model, prompt_ids: Any, prompt_lengths: Any, attention_mask: Any,
@@ -231,6 +236,18 @@ def _prepare(model: Model, prompt_ids: Any, prompt_lengths: Any, attention_mask:
     with sharding.using(statics["mesh"]):
         args = _place_inputs(statics["mesh"], model, drafter, verifier, ids, lengths, key)
     return statics, args
+
+
+def _limit(limit: Any, batch: int) -> jax.Array | None:
+    """`limit=` as i32[B] (a scalar is broadcast, so that both compile one program; None
+    stays None: the static maximum)."""
+    if limit is None:
+        return None
+    limit = jnp.asarray(limit, jnp.int32)
+    if limit.ndim > 1 or (limit.ndim == 1 and limit.shape[0] != batch):
+        raise JspecError(f"limit must be a scalar or one value per row ({batch}), got shape "
+                         f"{limit.shape}")
+    return jnp.broadcast_to(limit, (batch,))
 
 
 def in_user_trace() -> bool:

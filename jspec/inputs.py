@@ -213,3 +213,19 @@ def right_pad(prompts: Any, width: int | None = None, rows: int | None = None,
         lens[r] = len(p)
     return ids, lens
 
+
+
+def bucket_prompts(prompts: Any, rows: int | None = None, pad: int = 0
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """(i32[rows, W] right-padded ids, i32[rows] lengths) with W the length bucket of the
+    longest prompt (`jspec.state.bucket_length`): host-side padding for callers whose own
+    `jit` takes the ids, so that their prompt widths (and compiles) stay few. Inside a trace
+    `generate` cannot bucket for them: the width is the traced array's.
+
+    Args:
+      prompts: a list of token-id lists.
+      rows: the batch (default len(prompts); more rows repeat the first prompt, so a short
+        last batch keeps the shape).
+      pad: the padding id.
+    """
+    return right_pad(prompts, bucket_length(max(len(p) for p in prompts)), rows, pad)

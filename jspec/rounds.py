@@ -74,7 +74,7 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
             j = jnp.arange(valid.shape[1], dtype=jnp.int32)[None]
             first_eos = jnp.min(jnp.where(is_eos(prop.tokens, eos_ids) & valid, j,
                                           valid.shape[1]), axis=1)
-            room = state.tokens.shape[1] - state.num_new
+            room = state.limit - state.num_new
             valid = valid & (j <= first_eos[:, None]) & (j < room[:, None])
         draft = jnp.where(valid, prop.tokens, 0)  # [B, N]
         depth = None if prop.is_chain else prop.depth()
@@ -256,8 +256,10 @@ def init_state(config: ModelConfig, weights: Weights, drafter: Drafter | None,
                prompt_ids: jax.Array, prompt_lengths: jax.Array, key: jax.Array, *,
                sampling: Sampling, max_new_tokens: int, capacity: int,
                eos_ids: tuple[int, ...], k: int, verifier: Verifier | None = None,
-               length: LengthPolicy | None = None) -> SpecState:
-    """Prefill the target (and the drafter) and sample the first new token.
+               length: LengthPolicy | None = None, limit: jax.Array | None = None
+               ) -> SpecState:
+    """Prefill the target (and the drafter) and sample the first new token; `limit` (i32[]
+    or i32[B], dynamic) caps each row's new tokens below the static `max_new_tokens`.
 
     `k` is the chain length (LibraSpec: d_max); the drafter's own proposal width is k, or one
     block under LibraSpec, and the longest path a round accepts k, or a proposer's longer
@@ -268,7 +270,7 @@ def init_state(config: ModelConfig, weights: Weights, drafter: Drafter | None,
     k_draft, width = (k, k) if caps is None else length_policy(k, length).draft_sizes(caps)
     state, out = prefill(config, weights, prompt_ids, prompt_lengths, key, sampling=sampling,
                          max_new_tokens=max_new_tokens, capacity=capacity, eos_ids=eos_ids,
-                         draft_k=width, feature_layers=fl)
+                         draft_k=width, feature_layers=fl, limit=limit)
     if drafter is not None:
         with jax.named_scope("draft_prefill"):
             feats = features(out.hidden, caps.feature_norm) if fl else None

@@ -94,8 +94,9 @@ class SpecState:
     tokens: jax.Array  # i32[B, N] generated tokens, INVALID-padded
     logprobs: jax.Array  # f32[B, N] log p of each generated token (`GenerateOutput.logprobs`)
     num_new: jax.Array  # i32[B] generated so far (including EOS)
+    limit: jax.Array  # i32[B] in [1, N]: new tokens the row may emit (dynamic, <= the static N)
     last: jax.Array  # i32[B] last committed token, not yet in the cache
-    done: jax.Array  # bool[B] row finished (EOS or max_new_tokens)
+    done: jax.Array  # bool[B] row finished (EOS or its limit)
     key: jax.Array  # PRNG key
     stats: Stats
     drafter: Any = None  # drafter state pytree (None for autoregressive decoding)
@@ -128,11 +129,13 @@ def is_eos(tok: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
 def prefill(config: ModelConfig, weights: Weights, prompt_ids: jax.Array,
             prompt_lengths: jax.Array, key: jax.Array, *, sampling: Sampling,
             max_new_tokens: int, capacity: int, eos_ids: tuple[int, ...], draft_k: int = 0,
-            feature_layers: tuple[int, ...] = ()) -> tuple[SpecState, Any]:
+            feature_layers: tuple[int, ...] = (), limit: jax.Array | None = None
+            ) -> tuple[SpecState, Any]:
     """Run the prompt through the target and sample the first new token.
 
     Args:
       prompt_ids: i32[B, P] right-padded prompts. prompt_lengths: i32[B], 1 <= len <= P.
+      limit: i32[] or i32[B] new tokens per row, clipped to [1, max_new_tokens] (None: all).
     Returns:
       (state, forward output of the prompt) — the latter lets drafters read target features.
     """
@@ -149,11 +152,13 @@ def prefill(config: ModelConfig, weights: Weights, prompt_ids: jax.Array,
     first, first_lp = sample_with_logprobs(sub, logits, sampling)
     tokens = jnp.full((b, max_new_tokens), INVALID, jnp.int32).at[:, 0].set(first)
     logprobs = jnp.zeros((b, max_new_tokens), jnp.float32).at[:, 0].set(first_lp)
-    done = is_eos(first, eos_ids) | (max_new_tokens <= 1)
+    lim = (jnp.full((b,), max_new_tokens, jnp.int32) if limit is None else
+           jnp.clip(jnp.broadcast_to(jnp.asarray(limit, jnp.int32), (b,)), 1, max_new_tokens))
+    done = is_eos(first, eos_ids) | (lim <= 1)
     seq = jnp.zeros((b, capacity), jnp.int32).at[:, :p].set(prompt_ids)
     seq = seq.at[jnp.arange(b), prompt_lengths].set(first)
     state = SpecState(cache=out.cache.with_lengths(prompt_lengths), seq=seq, tokens=tokens,
-                      logprobs=logprobs, num_new=jnp.ones((b,), jnp.int32), last=first,
+                      logprobs=logprobs, num_new=jnp.ones((b,), jnp.int32), limit=lim, last=first,
                       done=done, key=key, stats=Stats.zeros(b, draft_k))
     return state, out
 
@@ -161,7 +166,7 @@ def prefill(config: ModelConfig, weights: Weights, prompt_ids: jax.Array,
 def commit(state: SpecState, emitted: jax.Array, n_emit: jax.Array, eos_ids: tuple[int, ...],
            cache: KVCache, n_accepted: jax.Array, n_drafted: int | jax.Array,
            oracle: jax.Array | None = None, logprobs: jax.Array | None = None) -> SpecState:
-    """Append up to `n_emit` tokens per live row, stop rows at EOS / max_new_tokens.
+    """Append up to `n_emit` tokens per live row, stop rows at EOS / their `limit`.
 
     Args:
       emitted: i32[B, M] this round's tokens (accepted drafts then the correction/bonus token).
@@ -179,7 +184,7 @@ def commit(state: SpecState, emitted: jax.Array, n_emit: jax.Array, eos_ids: tup
     j = jnp.arange(m, dtype=jnp.int32)[None, :]
     eos = is_eos(emitted, eos_ids) & (j < n_emit[:, None])
     first_eos = jnp.min(jnp.where(eos, j, m), axis=1)
-    count = jnp.minimum(jnp.minimum(n_emit, first_eos + 1), n_max - state.num_new)
+    count = jnp.minimum(jnp.minimum(n_emit, first_eos + 1), state.limit - state.num_new)
     count = jnp.where(live, count, 0)
     keep = j < count[:, None]
     rows = jnp.arange(b)[:, None]
@@ -193,7 +198,7 @@ def commit(state: SpecState, emitted: jax.Array, n_emit: jax.Array, eos_ids: tup
     num_new = state.num_new + count
     new_last = jnp.take_along_axis(emitted, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
     hit_eos = live & (first_eos < count)
-    done = state.done | hit_eos | (num_new >= n_max)
+    done = state.done | hit_eos | (num_new >= state.limit)
     k = state.stats.accepted_at.shape[1]
     acc = jnp.where(live, n_accepted, 0)
     stats = Stats(rounds=state.stats.rounds + live, emitted=state.stats.emitted + count,

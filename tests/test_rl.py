@@ -185,26 +185,60 @@ def test_bound_drafter_equals_a_freshly_built_one(kind, model_name):
 
 def test_rebinding_inside_a_users_jit_does_not_recompile():
     """One jitted RL-style step (bind -> sampled speculative generate -> log-probs) with the
-    weights as arguments: a second weight set compiles nothing, and its rollout equals the
-    same step given a drafter built for those weights."""
+    weights and the per-row limit as arguments: other weights and limits compile nothing, and
+    the rollout equals the same step given a drafter built for those weights."""
     base = tiny_model("llama_tied_gqa2", seed=1)
     ids, lens = pad_prompts(PROMPTS)
     stale = jspec.load_drafter("early-exit:1", target=base)
 
     @functools.partial(jax.jit, static_argnames="rebind")
-    def step(w, d, key, rebind=True):
+    def step(w, d, key, lim, rebind=True):
         m = dataclasses.replace(base, weights=w)
-        out = jspec.generate(m, ids, lens, max_new_tokens=8, sampling=TOP_K, key=key,
+        out = jspec.generate(m, ids, lens, max_new_tokens=8, sampling=TOP_K, key=key, limit=lim,
                              drafter=jspec.bind(d, w) if rebind else d,
                              length=jspec.FixedLength(3))
         return out.tokens, out.logprobs.sum()
 
     key = jax.random.key(11)
-    step(base.weights, stale, key)
+    step(base.weights, stale, key, jnp.int32(8))
     size = step._cache_size()
     new = tiny_model("llama_tied_gqa2", seed=2)
-    tokens, _ = step(new.weights, stale, key)
+    tokens, _ = step(new.weights, stale, key, jnp.int32(6))
     assert step._cache_size() == size
+    assert np.all((np.asarray(tokens) >= 0).sum(axis=1) <= 6)
     fresh = jspec.load_drafter("early-exit:1", target=new)
-    want, _ = step(new.weights, fresh, key, rebind=False)
+    want, _ = step(new.weights, fresh, key, jnp.int32(6), rebind=False)
     np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want))
+
+
+@pytest.mark.parametrize("spec", [None, "early-exit:1"])
+def test_limit_is_dynamic_per_row(spec):
+    """`limit=` (dynamic, per row) cuts each row at its value below the static
+    max_new_tokens: greedy tokens are the unlimited run's prefix, log-probs too; a second
+    limit compiles nothing."""
+    from jspec.decode import _generate
+
+    model = tiny_model()
+    ids, lens = jspec.bucket_prompts(PROMPTS)
+    assert ids.shape == (3, 32) and list(lens) == [8, 3, 6]
+    kw = {} if spec is None else dict(drafter=jspec.load_drafter(spec, target=model),
+                                      length=jspec.FixedLength(3))
+    full = jspec.generate(model, ids, lens, max_new_tokens=12, **kw)
+    n_full = np.asarray(full.lengths)
+    cut = jspec.generate(model, ids, lens, max_new_tokens=12, limit=np.asarray([3, 12, 1]),
+                         **kw)
+    size = _generate._cache_size()
+    again = jspec.generate(model, ids, lens, max_new_tokens=12, limit=5, **kw)
+    assert _generate._cache_size() == size
+    for out, lim in ((cut, [3, 12, 1]), (again, [5, 5, 5])):
+        n = np.asarray(out.lengths)
+        np.testing.assert_array_equal(n, np.minimum(n_full, lim))
+        for r in range(3):
+            np.testing.assert_array_equal(np.asarray(out.tokens)[r, :n[r]],
+                                          np.asarray(full.tokens)[r, :n[r]])
+            assert np.all(np.asarray(out.tokens)[r, n[r]:] == -1)
+            np.testing.assert_allclose(np.asarray(out.logprobs)[r, :n[r]],
+                                       np.asarray(full.logprobs)[r, :n[r]], rtol=1e-6,
+                                       atol=1e-6)
+    with pytest.raises(jspec.JspecError, match="one value per row"):
+        jspec.generate(model, ids, lens, max_new_tokens=4, limit=np.asarray([1, 2]))
