@@ -25,7 +25,7 @@ from jspec.drafters.d2sd import D2SD
 from jspec.drafters.dflash import DFlash
 from jspec.drafters.draft_model import DraftModel
 from jspec.drafters.eagle3 import Eagle3
-from jspec.drafters.trained import head_rows
+from jspec.drafters.trained import draft_head
 from jspec.models.llama import Weights
 
 D = TypeVar("D")
@@ -51,7 +51,7 @@ def bind(drafter: D, target_weights: Weights) -> D:
         if not drafter.own_embed:
             repl["embed"] = target_weights.embed
         if not drafter.own_head:
-            repl["head"] = head_rows(drafter.vocab_ids, target_weights)
+            repl["head"] = draft_head(drafter.vocab_ids, target_weights)
         return dataclasses.replace(drafter, **repl)
     if isinstance(drafter, DraftModel):
         return (dataclasses.replace(drafter, weights=target_weights) if drafter.shares_target

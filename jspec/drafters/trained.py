@@ -470,12 +470,8 @@ def cast_matrices(p: Any, dtype: Any) -> Any:
 
 
 def draft_head(vocab_ids: Any, target_weights: Any) -> jax.Array:
-    """The target's LM-head rows of the draft vocabulary [Vd, D], in the target's dtype."""
-    return head_rows(jnp.asarray(np.asarray(vocab_ids), jnp.int32), target_weights)
-
-
-def head_rows(vocab: jax.Array, target_weights: Any) -> jax.Array:
-    """`draft_head` for i32[Vd] ids that may be traced (`jspec.drafters.bind`)."""
+    """The target's LM-head rows [Vd, D] of draft ids (may be traced), in the target's dtype."""
+    vocab = jnp.asarray(vocab_ids, jnp.int32)
     embed = target_weights.embed
     return (jnp.take(embed, vocab, axis=0) if target_weights.lm_head is None
             else target_weights.lm_head.T[vocab]).astype(embed.dtype)
