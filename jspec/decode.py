@@ -2,7 +2,8 @@
 
 Static (changing these recompiles): the model config, `Sampling`, drafter/verifier/length
 objects, `max_new_tokens`, the prompt-length bucket, the cache capacity and the mesh.
-Dynamic: weights, prompt ids and lengths, the PRNG key, the per-row `limit` of new tokens.
+Dynamic: weights, prompt ids and lengths, the PRNG key, the per-row `limit` of new tokens,
+`stop_ids`.
 Under a mesh (`jspec.sharding`), inputs are placed and the carried state is pinned to the
 rules-table layout; the round functions themselves are the single-device code
 (`jspec.rounds`), over the state of `jspec.state`.
@@ -76,20 +77,20 @@ def _pinned_round(mesh: Mesh | None, round_fn: Any) -> Any:
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _generate(weights: Weights, drafter: Any, verifier: Any, prompt_ids: jax.Array,
-              prompt_lengths: jax.Array, key: jax.Array, limit: jax.Array | None = None, *,
-              config: ModelConfig,
+              prompt_lengths: jax.Array, key: jax.Array, limit: jax.Array | None = None,
+              stop: jax.Array | None = None, *, config: ModelConfig,
               sampling: Sampling, max_new_tokens: int, capacity: int,
               eos_ids: tuple[int, ...], k: int, length: Any = None,
               mesh: Mesh | None = None, platform: str | None = None) -> GenerateOutput:
     with platforms.compiling_for(platform):
         return _generate_body(weights, drafter, verifier, prompt_ids, prompt_lengths, key,
-                              limit, config=config, sampling=sampling, max_new_tokens=max_new_tokens,
+                              limit, stop, config=config, sampling=sampling, max_new_tokens=max_new_tokens,
                               capacity=capacity, eos_ids=eos_ids, k=k, length=length, mesh=mesh)
 
 
 def _generate_body(weights: Weights, drafter: Any, verifier: Any, prompt_ids: jax.Array,
-                   prompt_lengths: jax.Array, key: jax.Array, limit: jax.Array | None, *,
-                   config: ModelConfig,
+                   prompt_lengths: jax.Array, key: jax.Array, limit: jax.Array | None,
+                   stop: jax.Array | None, *, config: ModelConfig,
                    sampling: Sampling, max_new_tokens: int, capacity: int,
                    eos_ids: tuple[int, ...], k: int, length: Any = None,
                    mesh: Mesh | None = None) -> GenerateOutput:
@@ -97,7 +98,8 @@ def _generate_body(weights: Weights, drafter: Any, verifier: Any, prompt_ids: ja
         mesh, config, weights, drafter, verifier, prompt_ids, prompt_lengths)
     state = init_state(config, weights, drafter, prompt_ids, prompt_lengths, key,
                        sampling=sampling, max_new_tokens=max_new_tokens, capacity=capacity,
-                       eos_ids=eos_ids, k=k, verifier=verifier, length=length, limit=limit)
+                       eos_ids=eos_ids, k=k, verifier=verifier, length=length, limit=limit,
+                       stop=stop)
     state = _pin_state(mesh, state)
     round_fn = make_round(config, weights, drafter, k=k, sampling=sampling, eos_ids=eos_ids,
                           verifier=verifier, length=length)
@@ -138,7 +140,7 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
              drafter: Drafter | None = None, max_new_tokens: int = 128,
              sampling: Sampling = Sampling(), verifier: Verifier | None = None,
              length: LengthPolicy | None = None, key: jax.Array | None = None,
-             capacity: int | None = None, limit: Any = None,
+             capacity: int | None = None, limit: Any = None, stop_ids: Any = None,
              attention_impl: str | None = None, mesh: Mesh | bool | None = None
              ) -> GenerateOutput:
     """Generate up to `max_new_tokens` tokens per prompt; works inside a user's `jax.jit`.
@@ -164,6 +166,8 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
       max_new_tokens: static maximum of new tokens per row (the output's width).
       limit: dynamic new tokens per row, an int or i32[] / i32[B] array clipped to [1,
         max_new_tokens] (default: max_new_tokens): a loop varies it without a recompile.
+      stop_ids: dynamic stop token ids i32[S] replacing `model.eos_ids` (a row ends after
+        emitting one); other values of the same S compile nothing (pad with -1).
       sampling: `Sampling(temperature, top_k, top_p)`; temperature 0 is greedy.
       key: PRNG key for sampling; required when sampling (temperature > 0: a missing key is
         an error, so that a loop never reuses one silently); unused when greedy.
@@ -189,7 +193,7 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
     with sharding.using(statics["mesh"]):
         if statics["mesh"] is None and not isinstance(ids, jax.core.Tracer):
             _check_memory(*args, statics)
-        return _generate(*args, _limit(limit, ids.shape[0]), **statics)
+        return _generate(*args, _limit(limit, ids.shape[0]), _stop_ids(stop_ids), **statics)
 
 
 def _prepare(model: Model, prompt_ids: Any, prompt_lengths: Any, attention_mask: Any,
@@ -248,6 +252,17 @@ def _limit(limit: Any, batch: int) -> jax.Array | None:
         raise JspecError(f"limit must be a scalar or one value per row ({batch}), got shape "
                          f"{limit.shape}")
     return jnp.broadcast_to(limit, (batch,))
+
+
+def _stop_ids(stop_ids: Any) -> jax.Array | None:
+    """`stop_ids=` as i32[S] (None stays None: the model's static `eos_ids`)."""
+    if stop_ids is None:
+        return None
+    stop = jnp.asarray(stop_ids, jnp.int32)
+    if stop.ndim != 1 or stop.shape[0] == 0:
+        raise JspecError(f"stop_ids must be a non-empty i32[S] array (pad with -1), got shape "
+                         f"{stop.shape}")
+    return stop
 
 
 def in_user_trace() -> bool:

@@ -45,7 +45,7 @@ def autoregressive_round(config: ModelConfig, weights: Weights, state: SpecState
     key, sub = jax.random.split(state.key)
     nxt, lp = sample_with_logprobs(sub, out.logits[:, 0], sampling)
     with jax.named_scope("commit"):
-        state = commit(state, nxt[:, None], jnp.ones_like(nxt), eos_ids, out.cache,
+        state = commit(state, nxt[:, None], jnp.ones_like(nxt), state.stop, out.cache,
                        jnp.zeros_like(nxt), 0, logprobs=lp[:, None])
     return dataclasses.replace(state, key=key)
 
@@ -72,7 +72,7 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
             # not verified: the committed tokens are the same, and verifiers with running
             # measurements (DIVERSED, ASD) only see tokens that land in the output.
             j = jnp.arange(valid.shape[1], dtype=jnp.int32)[None]
-            first_eos = jnp.min(jnp.where(is_eos(prop.tokens, eos_ids) & valid, j,
+            first_eos = jnp.min(jnp.where(is_eos(prop.tokens, state.stop) & valid, j,
                                           valid.shape[1]), axis=1)
             room = state.limit - state.num_new
             valid = valid & (j <= first_eos[:, None]) & (j < room[:, None])
@@ -205,7 +205,7 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
         # `drafted` counts the nodes each row proposed and the length policy put up for
         # verification (a chain: its first d; a tree: all), not the empty (-1) nodes of a
         # wider verify. Trees: no oracle length.
-        state = commit(state, emitted, n + 1, eos_ids, new_cache, n, scored,
+        state = commit(state, emitted, n + 1, state.stop, new_cache, n, scored,
                        oracle=oracle if prop.is_chain else None, logprobs=lp)
     return dataclasses.replace(state, key=key, drafter=dstate, verifier=vstate)
 
@@ -256,10 +256,11 @@ def init_state(config: ModelConfig, weights: Weights, drafter: Drafter | None,
                prompt_ids: jax.Array, prompt_lengths: jax.Array, key: jax.Array, *,
                sampling: Sampling, max_new_tokens: int, capacity: int,
                eos_ids: tuple[int, ...], k: int, verifier: Verifier | None = None,
-               length: LengthPolicy | None = None, limit: jax.Array | None = None
-               ) -> SpecState:
+               length: LengthPolicy | None = None, limit: jax.Array | None = None,
+               stop: jax.Array | None = None) -> SpecState:
     """Prefill the target (and the drafter) and sample the first new token; `limit` (i32[]
-    or i32[B], dynamic) caps each row's new tokens below the static `max_new_tokens`.
+    or i32[B], dynamic) caps each row's new tokens below the static `max_new_tokens`; `stop`
+    (i32[S], dynamic) replaces `eos_ids` as the stop ids the state carries (rounds read those).
 
     `k` is the chain length (LibraSpec: d_max); the drafter's own proposal width is k, or one
     block under LibraSpec, and the longest path a round accepts k, or a proposer's longer
@@ -270,7 +271,7 @@ def init_state(config: ModelConfig, weights: Weights, drafter: Drafter | None,
     k_draft, width = (k, k) if caps is None else length_policy(k, length).draft_sizes(caps)
     state, out = prefill(config, weights, prompt_ids, prompt_lengths, key, sampling=sampling,
                          max_new_tokens=max_new_tokens, capacity=capacity, eos_ids=eos_ids,
-                         draft_k=width, feature_layers=fl, limit=limit)
+                         draft_k=width, feature_layers=fl, limit=limit, stop=stop)
     if drafter is not None:
         with jax.named_scope("draft_prefill"):
             feats = features(out.hidden, caps.feature_norm) if fl else None

@@ -95,6 +95,7 @@ class SpecState:
     logprobs: jax.Array  # f32[B, N] log p of each generated token (`GenerateOutput.logprobs`)
     num_new: jax.Array  # i32[B] generated so far (including EOS)
     limit: jax.Array  # i32[B] in [1, N]: new tokens the row may emit (dynamic, <= the static N)
+    stop: jax.Array  # i32[S] stop token ids (dynamic; -1 entries match nothing)
     last: jax.Array  # i32[B] last committed token, not yet in the cache
     done: jax.Array  # bool[B] row finished (EOS or its limit)
     key: jax.Array  # PRNG key
@@ -119,7 +120,10 @@ class GenerateOutput:
     verifier: Any = None  # the verifier's final state (e.g. ASD's remaining budget)
 
 
-def is_eos(tok: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+def is_eos(tok: jax.Array, eos_ids: tuple[int, ...] | jax.Array) -> jax.Array:
+    """bool[...]: tok i32[...] is a stop id (a static tuple, or a dynamic i32[S] array)."""
+    if not isinstance(eos_ids, tuple):
+        return jnp.any(tok[..., None] == eos_ids, axis=-1)
     out = jnp.zeros(tok.shape, bool)
     for e in eos_ids:
         out = out | (tok == e)
@@ -129,13 +133,14 @@ def is_eos(tok: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
 def prefill(config: ModelConfig, weights: Weights, prompt_ids: jax.Array,
             prompt_lengths: jax.Array, key: jax.Array, *, sampling: Sampling,
             max_new_tokens: int, capacity: int, eos_ids: tuple[int, ...], draft_k: int = 0,
-            feature_layers: tuple[int, ...] = (), limit: jax.Array | None = None
-            ) -> tuple[SpecState, Any]:
+            feature_layers: tuple[int, ...] = (), limit: jax.Array | None = None,
+            stop: jax.Array | None = None) -> tuple[SpecState, Any]:
     """Run the prompt through the target and sample the first new token.
 
     Args:
       prompt_ids: i32[B, P] right-padded prompts. prompt_lengths: i32[B], 1 <= len <= P.
       limit: i32[] or i32[B] new tokens per row, clipped to [1, max_new_tokens] (None: all).
+      stop: i32[S] stop ids, dynamic (None: `eos_ids`, which the state then carries).
     Returns:
       (state, forward output of the prompt) — the latter lets drafters read target features.
     """
@@ -154,16 +159,20 @@ def prefill(config: ModelConfig, weights: Weights, prompt_ids: jax.Array,
     logprobs = jnp.zeros((b, max_new_tokens), jnp.float32).at[:, 0].set(first_lp)
     lim = (jnp.full((b,), max_new_tokens, jnp.int32) if limit is None else
            jnp.clip(jnp.broadcast_to(jnp.asarray(limit, jnp.int32), (b,)), 1, max_new_tokens))
-    done = is_eos(first, eos_ids) | (lim <= 1)
+    if stop is None:
+        stop = jnp.asarray(eos_ids or (INVALID,), jnp.int32)
+    done = is_eos(first, stop) | (lim <= 1)
     seq = jnp.zeros((b, capacity), jnp.int32).at[:, :p].set(prompt_ids)
     seq = seq.at[jnp.arange(b), prompt_lengths].set(first)
     state = SpecState(cache=out.cache.with_lengths(prompt_lengths), seq=seq, tokens=tokens,
-                      logprobs=logprobs, num_new=jnp.ones((b,), jnp.int32), limit=lim, last=first,
+                      logprobs=logprobs, num_new=jnp.ones((b,), jnp.int32), limit=lim, stop=stop,
+                      last=first,
                       done=done, key=key, stats=Stats.zeros(b, draft_k))
     return state, out
 
 
-def commit(state: SpecState, emitted: jax.Array, n_emit: jax.Array, eos_ids: tuple[int, ...],
+def commit(state: SpecState, emitted: jax.Array, n_emit: jax.Array,
+           eos_ids: tuple[int, ...] | jax.Array,
            cache: KVCache, n_accepted: jax.Array, n_drafted: int | jax.Array,
            oracle: jax.Array | None = None, logprobs: jax.Array | None = None) -> SpecState:
     """Append up to `n_emit` tokens per live row, stop rows at EOS / their `limit`.

@@ -242,3 +242,29 @@ def test_limit_is_dynamic_per_row(spec):
                                        atol=1e-6)
     with pytest.raises(jspec.JspecError, match="one value per row"):
         jspec.generate(model, ids, lens, max_new_tokens=4, limit=np.asarray([1, 2]))
+
+
+@pytest.mark.parametrize("spec", [None, "early-exit:1"])
+def test_stop_ids_are_dynamic(spec):
+    """`stop_ids=` (an i32[S] array) replaces the model's EOS ids: each row ends at its first
+    stop id; other ids of the same S compile nothing."""
+    from jspec.decode import _generate
+
+    model = tiny_model()
+    ids, lens = jspec.bucket_prompts(PROMPTS)
+    kw = {} if spec is None else dict(drafter=jspec.load_drafter(spec, target=model),
+                                      length=jspec.FixedLength(3))
+    free = jspec.generate(model, ids, lens, max_new_tokens=12, stop_ids=[-1, -1], **kw)
+    size = _generate._cache_size()
+    toks = np.asarray(free.tokens)
+    assert np.all(np.asarray(free.lengths) == 12)
+    stop = int(toks[0, 3])
+    out = jspec.generate(model, ids, lens, max_new_tokens=12, stop_ids=[stop, -1], **kw)
+    assert _generate._cache_size() == size
+    for r in range(3):
+        hits = np.flatnonzero(toks[r] == stop)
+        n = int(hits[0]) + 1 if hits.size else 12
+        assert int(out.lengths[r]) == n
+        np.testing.assert_array_equal(np.asarray(out.tokens)[r, :n], toks[r, :n])
+    with pytest.raises(jspec.JspecError, match="stop_ids"):
+        jspec.generate(model, ids, lens, max_new_tokens=4, stop_ids=[])
