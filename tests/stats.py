@@ -24,7 +24,7 @@ import numpy as np
 from scipy import stats as sps
 
 import jspec
-from jspec import decode, inputs, rounds
+from jspec import decode, inputs, platforms, rounds
 from jspec.models.cache import KVCache
 from jspec.models.llama import forward
 from jspec.sampling import probs as probs_of
@@ -246,7 +246,8 @@ def generate_rows(model: jspec.Model, prompt: list[int], rows: int, *, batch: in
     return _rows_of(toks, stats)
 
 
-_STATIC = ("rows", "config", "sampling", "max_new_tokens", "capacity", "eos_ids", "k", "length")
+_STATIC = ("rows", "config", "sampling", "max_new_tokens", "capacity", "eos_ids", "k", "length",
+           "platform")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -254,7 +255,20 @@ def _decode_after_shared_prefill(weights: Any, drafter: Any, verifier: Any, ids:
                                  lengths: jax.Array, prefill_key: jax.Array, key: jax.Array, *,
                                  rows: int, config: Any, sampling: jspec.Sampling,
                                  max_new_tokens: int, capacity: int, eos_ids: tuple[int, ...],
-                                 k: int, length: Any) -> tuple[jax.Array, Any]:
+                                 k: int, length: Any, platform: str | None = None
+                                 ) -> tuple[jax.Array, Any]:
+    with platforms.compiling_for(platform):  # as `generate` traces: for its platform
+        return _shared_prefill_body(weights, drafter, verifier, ids, lengths, prefill_key, key,
+                                    rows=rows, config=config, sampling=sampling,
+                                    max_new_tokens=max_new_tokens, capacity=capacity,
+                                    eos_ids=eos_ids, k=k, length=length)
+
+
+def _shared_prefill_body(weights: Any, drafter: Any, verifier: Any, ids: jax.Array,
+                         lengths: jax.Array, prefill_key: jax.Array, key: jax.Array, *,
+                         rows: int, config: Any, sampling: jspec.Sampling, max_new_tokens: int,
+                         capacity: int, eos_ids: tuple[int, ...], k: int, length: Any
+                         ) -> tuple[jax.Array, Any]:
     kw = dict(sampling=sampling, max_new_tokens=max_new_tokens, capacity=capacity,
               eos_ids=eos_ids, k=k, verifier=verifier, length=length)
 

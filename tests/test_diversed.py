@@ -192,7 +192,7 @@ def test_head_arrays_do_not_recompile():
     ids, lens = _pad(PROMPTS)
     s = Sampling(temperature=1.0)
     run = functools.partial(jspec.generate, model, ids, lens, max_new_tokens=12, drafter=drafter,
-                            length=jspec.FixedLength(3), sampling=s)
+                            length=jspec.FixedLength(3), sampling=s, key=jax.random.key(0))
     run(verifier=Diversed(head=_head_at(model, drafter, 0.3)))
     before = _generate._cache_size()
     out = run(verifier=Diversed(head=_head_at(model, drafter, 0.9)))
