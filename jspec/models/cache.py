@@ -61,11 +61,13 @@ def write_slots(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
         return _scatter_rows(buf, src, start)
     if b == 1:
         return _write_windows(buf, src, start)
-    # Several rows: a scatter on CPU (in place there, see above). On TPU the scatter's buffer
-    # went through VMEM and was copied back to HBM whole every step (Llama-3.1-8B, batch 8:
-    # 0.54 GB a step, docs/TPU.md); one in-place window per row does not, up to
-    # MAX_WINDOW_ROWS rows (each is its own instruction).
-    if b > MAX_WINDOW_ROWS:
+    # Several rows: a scatter on CPU (in place there, see above). Elsewhere, for one new token
+    # per row (a decode step), one in-place window per row, up to MAX_WINDOW_ROWS rows (each is
+    # its own instruction): on 8 v5e chips the scatter's buffer went through VMEM and was
+    # copied back to HBM whole every step (Llama-3.1-8B, batch 8: 0.54 GB written; windows
+    # 0.017 GB). For several tokens per row the scatter: on one v6e chip (batch 8, T = 5) it
+    # reads the floor and writes 0.03 GB, the windows 25.5 GB and 9.4 GB (docs/TPU.md).
+    if b > MAX_WINDOW_ROWS or t > 1:
         return _scatter_rows(buf, src, start)
     return platforms.choose(buf, src, start, cpu=_scatter_rows, default=_write_windows)
 
