@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterator
 
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
@@ -47,53 +48,35 @@ def _hbm(type_str: str) -> float:
     return sum(b for b, space in _arrays(type_str) if space == 0)
 
 
-def fusion_roots(hlo: str) -> dict[str, str]:
-    """The ROOT opcode of every computation, by name."""
-    roots: dict[str, str] = {}
-    current = None
-    for line in hlo.splitlines():
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):
-            current = line.split()[0].lstrip("%") if not line.startswith("ENTRY") else "ENTRY"
-        elif current and line.lstrip().startswith("ROOT "):
-            m = _INSTR.match(line)
-            if m:
-                roots[current] = m.group(3)
-    return roots
-
-
-def computations(hlo: str) -> dict[str, list[tuple[str, str, str, list[str], str]]]:
-    """Every computation's instructions as (name, type, opcode, operand names, rest of line),
-    by computation name ("ENTRY" for the entry)."""
-    comps: dict[str, list[tuple[str, str, str, list[str], str]]] = {}
+def _instructions(hlo: str) -> Iterator[tuple[str, bool, tuple[str, str, str, list[str], str]]]:
+    """(computation name, is ROOT, (name, type, opcode, operand names, rest of line)) of every
+    instruction ("ENTRY" for the entry computation)."""
     current = None
     for line in hlo.splitlines():
         if line and not line[0].isspace() and line.rstrip().endswith("{"):
             current = "ENTRY" if line.startswith("ENTRY") else line.split()[0].lstrip("%")
-            comps[current] = []
-            continue
-        if current is None:
             continue
         if line.startswith("}"):
             current = None
             continue
-        m = _INSTR.match(line)
+        m = _INSTR.match(line) if current is not None else None
         if m:
             name, typ, op, rest = m.groups()
             operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
-            comps[current].append((name, typ, op, operands, rest))
-    return comps
+            yield current, line.lstrip().startswith("ROOT "), (name, typ, op, operands, rest)
 
 
-def entry_lines(hlo: str) -> list[str]:
-    """The instructions of the ENTRY computation."""
-    lines = hlo.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("ENTRY"))
-    out = []
-    for line in lines[start + 1:]:
-        if line.startswith("}"):
-            break
-        out.append(line)
-    return out
+def computations(hlo: str) -> tuple[dict[str, list[tuple[str, str, str, list[str], str]]],
+                                     dict[str, str]]:
+    """Every computation's instructions as (name, type, opcode, operand names, rest of line),
+    by computation name ("ENTRY" for the entry), and the ROOT opcode of each."""
+    comps: dict[str, list[tuple[str, str, str, list[str], str]]] = {}
+    roots: dict[str, str] = {}
+    for comp, is_root, ins in _instructions(hlo):
+        comps.setdefault(comp, []).append(ins)
+        if is_root:
+            roots[comp] = ins[2]
+    return comps, roots
 
 
 _WINDOWED = {"dynamic-slice", "slice", "gather"}
@@ -125,8 +108,7 @@ def hbm_traffic(hlo: str) -> dict[str, float]:
     A fusion whose root is a scatter or dynamic-update-slice updates its first operand in
     place: only its other operands are read, and as much is written. A fusion operand used only
     through slices / dynamic-slices / gathers inside the fusion counts as those windows."""
-    comps = computations(hlo)
-    roots = fusion_roots(hlo)
+    comps, roots = computations(hlo)
     types: dict[str, str] = {}
     read = written = cycles = 0.0
     for name, typ, op, operands, rest in comps.get("ENTRY", []):

@@ -169,7 +169,6 @@ def step_program(s: Setup, t: int, tree: bool = False) -> Compiled:
     """One target forward of `t` new tokens per row over the cache, the cache written and its
     buffers donated (an autoregressive step at t = 1, a verify forward of K = t - 1 drafts at
     t > 1; `tree`: the t nodes as a binary tree, not a chain)."""
-    rep = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec())
     rows = jax.sharding.NamedSharding(s.mesh, sharding.logical_spec(("batch", None),
                                                                     (s.batch, t), s.mesh))
     toks = jax.ShapeDtypeStruct((s.batch, t), jnp.int32, sharding=rows)
@@ -183,7 +182,6 @@ def step_program(s: Setup, t: int, tree: bool = False) -> Compiled:
         out = forward(cfg, w, tokens, positions, cache, mask=mask)
         return out.logits, out.cache
 
-    del rep
     name = f"{'tree' if tree else 'chain'} forward T={t}"
     with sharding.using(s.mesh):  # the context mesh: Pallas calls run per device (shard_map)
         return compile_program(name, step, (s.weights, toks, pos, s.cache), donate=(3,))
