@@ -34,6 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._mgpu_compat import load
 from pallas_kernels.relaxed_acceptance.decide import (
     BIG_INDEX,
     MASK_VALUE,
@@ -66,7 +67,7 @@ def _tiles(v: int, tv: int, splits: int):
 def _load_tile(row_ref, start, v: int, tv: int, layout):
     """(f32[tv] values, i32[tv] columns, bool[tv] in range) of the tile starting at `start`."""
     ls = jnp.minimum(start, v - tv)  # an overhanging tile is read shifted back to end at V
-    x = plgpu.load(row_ref, pl.ds(ls, tv), layout=layout, optimized=False).astype(jnp.float32)
+    x = load(row_ref, pl.ds(ls, tv), layout=layout, optimized=False).astype(jnp.float32)
     col = ls + plgpu.broadcasted_iota(jnp.int32, (tv,), 0, layout=layout)
     ok = (col >= start) & (col < v)
     return x, col, ok

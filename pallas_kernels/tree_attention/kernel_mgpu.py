@@ -41,6 +41,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._mgpu_compat import load
+
 # A large finite negative instead of -inf: a fully masked tile stays finite (exp gives 0, no
 # NaN). Shared with the TPU kernel and the reference (`kernel.py` imports it from here).
 MASK_VALUE = -1e30
@@ -193,14 +195,14 @@ def tree_attention_mgpu(
 
         # 1. The tree part (split 0 only: the other splits mask it out entirely).
         def tree_scores(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(kn_smem, (1, 0)))
+            plgpu.wgmma(acc_ref, q_smem, kn_smem.transpose((1, 0)))
             return acc_ref[...]
 
         st = pl.run_scoped(tree_scores, plgpu.ACC((BLOCK_Q, tp), jnp.float32)) * scale2
         red = wgmma_layout.reduce(1)
-        w_lo = lax.broadcast_in_dim(plgpu.load(lo_smem, (), layout=red, optimized=False),
+        w_lo = lax.broadcast_in_dim(load(lo_smem, (), layout=red, optimized=False),
                                     (BLOCK_Q, tp), [0])
-        w_hi = lax.broadcast_in_dim(plgpu.load(hi_smem, (), layout=red, optimized=False),
+        w_hi = lax.broadcast_in_dim(load(hi_smem, (), layout=red, optimized=False),
                                     (BLOCK_Q, tp), [0])
         col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, tp), 1, layout=wgmma_layout)
         word = jnp.where(col < 32, w_lo, w_hi)
@@ -230,7 +232,7 @@ def tree_attention_mgpu(
             plgpu.barrier_wait(k_bar.at[slot])
 
             def scores(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
                 return acc_ref[...]
 
             sc = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, bk), jnp.float32)) * scale2
