@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from train import d2sd, datagen, diversed, drafters, export, featurize, magpie, qtemp
+from train import d2sd, datagen, diversed, drafters, export, featurize, grpo, magpie, qtemp
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     diversed.add_parser(sub)
     export.add_parser(sub)
     qtemp.add_parser(sub)
+    grpo.add_parser(sub)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -1,0 +1,103 @@
+"""Measurements behind docs/RL.md: rollout speed speculative vs plain, and learning curves of two
+`python -m train grpo` runs compared step by step.
+
+  python -m train grpo --bench-rollouts 5          # tokens/s of step 0's rollout, both ways
+  python -m train.grpo_bench runs/a/log.jsonl runs/b/log.jsonl   # reward curves, paired
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+import jspec
+from jspec.models.model import Model
+from train.grpo import GRPOConfig, step_batch
+from train.grpo_tasks import Tasks
+
+
+def bench_rollouts(model: Model, drafter: Any, tasks: Tasks, cfg: GRPOConfig,
+                   args: argparse.Namespace) -> dict[str, float]:
+    """Time `args.bench_rollouts` rollouts of step 0's batch (P*G rows) with the drafter and as
+    many without, alternating (the same keys both ways), each jitted with the weights as an
+    argument as in the RL step. Prints and returns tokens/s and τ of each."""
+    if drafter is None:
+        raise SystemExit("--bench-rollouts compares against a drafter: give --drafter")
+    batch, key = step_batch(tasks, cfg, args.seed, 0)
+
+    @functools.partial(jax.jit, static_argnames="spec")
+    def rollout(weights, drafter, batch, key, spec):
+        out = jspec.generate(Model(config=model.config, weights=weights), batch.ids, batch.lens,
+                             drafter=drafter if spec else None, key=key,
+                             max_new_tokens=cfg.max_new_tokens,
+                             sampling=jspec.Sampling(temperature=cfg.temperature),
+                             length=jspec.FixedLength(cfg.k) if spec else None)
+        st = out.stats
+        return out.lengths.sum(), st.emitted.sum() / jax.numpy.maximum(st.rounds.sum(), 1)
+
+    res: dict[str, list[float]] = {"spec_s": [], "plain_s": [], "spec_tok": [], "plain_tok": [],
+                                   "tau": []}
+    for spec in (True, False):  # compile both first
+        jax.block_until_ready(rollout(model.weights, drafter, batch, key, spec))
+    for r in range(args.bench_rollouts):
+        k = jax.random.fold_in(key, r)
+        for spec in (True, False):
+            t0 = time.perf_counter()
+            n, tau = jax.block_until_ready(rollout(model.weights, drafter, batch, k, spec))
+            name = "spec" if spec else "plain"
+            res[f"{name}_s"].append(time.perf_counter() - t0)
+            res[f"{name}_tok"].append(float(n))
+            if spec:
+                res["tau"].append(float(tau))
+    summary = {f"{w}_tokens_per_s": sum(res[f"{w}_tok"]) / sum(res[f"{w}_s"])
+               for w in ("spec", "plain")}
+    summary.update(tau=float(np.mean(res["tau"])), rows=int(batch.ids.shape[0]),
+                   repeats=args.bench_rollouts, loadavg=os.getloadavg()[0])
+    summary["speedup"] = summary["spec_tokens_per_s"] / summary["plain_tokens_per_s"]
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+def _rewards(log: Path, key: str) -> dict[int, float]:
+    recs = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    return {r["step"]: r[key] for r in recs if key in r}
+
+
+def compare(a: Path, b: Path, key: str = "reward", rows: int = 16) -> dict[str, float]:
+    """Paired comparison of `key` per step of two runs with the same seed (the same prompts
+    each step): mean of each, the mean difference and its standard error over steps, the
+    t statistic. `rows`: rollouts per step (for the stated sample size)."""
+    ra, rb = _rewards(a, key), _rewards(b, key)
+    steps = sorted(set(ra) & set(rb))
+    if len(steps) < 2:
+        raise SystemExit("fewer than 2 common steps")
+    d = np.asarray([ra[s] - rb[s] for s in steps])
+    se = float(d.std(ddof=1) / math.sqrt(len(d)))
+    out = {"steps": len(steps), "rollouts_each": len(steps) * rows,
+           "mean_a": float(np.mean([ra[s] for s in steps])),
+           "mean_b": float(np.mean([rb[s] for s in steps])),
+           "mean_diff": float(d.mean()), "se_diff": se,
+           "t": float(d.mean() / se) if se > 0 else 0.0}
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="python -m train.grpo_bench", description=__doc__)
+    p.add_argument("log_a", type=Path)
+    p.add_argument("log_b", type=Path)
+    p.add_argument("--key", default="reward", help="the logged metric to compare")
+    p.add_argument("--rows", type=int, default=16, help="rollouts per step (P x G)")
+    a = p.parse_args()
+    compare(a.log_a, a.log_b, a.key, a.rows)
+    sys.exit(0)
