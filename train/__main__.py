@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from train import d2sd, datagen, diversed, drafters, export, featurize, grpo, magpie, qtemp
+from train import d2sd, datagen, diversed, drafter_cli, export, featurize, grpo, magpie, qtemp
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     datagen.add_parser(sub)
     featurize.add_parser(sub)
     magpie.add_parser(sub)
-    drafters.add_parsers(sub)
+    drafter_cli.add_parsers(sub)
     d2sd.add_parser(sub)
     diversed.add_parser(sub)
     export.add_parser(sub)

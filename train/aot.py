@@ -23,7 +23,9 @@ from jspec.aot.chips import chip_of
 from jspec.aot.programs import drafter_config
 from jspec.aot.report import Compiled, Setup, compile_program, model_config, setup
 from jspec.drafters.trained import Frozen, split_frozen
-from train.drafters import RECIPES, batch_sharding, train_step
+from train.batches import batch_sharding
+from train.recipes import RECIPES
+from train.update import train_step
 
 
 def _abstract(tree: Any, shardings: Any) -> Any:
@@ -33,7 +35,7 @@ def _abstract(tree: Any, shardings: Any) -> Any:
 
 def train_step_program(s: Setup, kind: str, rows: int = 8, seq: int = 2048,
                        positions: int = 64, matmul_dtype: str = "bfloat16") -> Compiled:
-    """One `train.drafters.train_step` (AdamW) of a `kind` drafter for the setup's target:
+    """One `train.update.train_step` (AdamW) of a `kind` drafter for the setup's target:
     `rows` sequences of `seq` tokens with their target features, `positions` chain starts /
     anchors each; parameters and moments sharded by the rules table, rows over `data`."""
     cfg = drafter_config(s.config, kind)

@@ -46,12 +46,10 @@ from jspec.drafters.trained import (
 from jspec.models.model import load_model
 from train.data import (
     Rows,
-    batches_for,
     coverage,
-    data_layers,
-    load_rows,
     make_batch,
     sample_positions,
+    training_data,
 )
 from train.loop import Loop, optimizer, run_loop
 
@@ -176,8 +174,6 @@ def evaluate(args: argparse.Namespace, rows: Rows, plan: list, feat_idx: list[in
 
 
 def run(args: argparse.Namespace) -> int:
-
-
     if not 0 < args.beta <= 1 or args.tau <= 0:
         raise SystemExit("error: need 0 < --beta <= 1 and --tau > 0")
     init_path, first_ref = resolve_init(args.init)
@@ -191,24 +187,11 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     target = load_model(args.model)
-    recorded = data_layers(args.data)
-    missing = set(cfg.feature_layers) - set(recorded)
-    if missing:
-        raise SystemExit(f"error: the data lacks feature layers {sorted(missing)}")
-    cols = [recorded.index(i) for i in cfg.feature_layers]
-    rows = load_rows(args.data, heldout=False, sets=args.sets, layers=cols)
-    feat_idx = list(range(len(cols)))  # rows hold only these columns (then the final-normed)
-    try:
-        held = load_rows(args.data, heldout=True, sets=args.sets, layers=cols)
-    except SystemExit:
-        print("warning: no held-out shards: no held-out evaluation", flush=True)
-        held = Rows([], [], [])
-        args.eval_every = 0
+    data = training_data(args, cfg.feature_layers)
+    rows, held, feat_idx = data.rows, data.held, data.feat_idx
     params, stats = split_frozen(params0)
     frozen = Frozen.of(target.weights.embed, vocab, stats)
-    plan = batches_for(rows, tuple(args.seq_buckets), args.batch_tokens)
-    held_plan = (batches_for(held, tuple(args.seq_buckets), args.batch_tokens)[: args.eval_batches]
-                 if len(held) else [])
+    plan, held_plan = data.plan, data.held_plan
     print(f"train d2sd (fine-tune of {first_ref}, γ={gamma}, β={args.beta}, τ={args.tau}): "
           f"{len(rows)} sequences, {len(plan)} batches/epoch; held-out {len(held)} sequences; "
           f"draft vocab covers {coverage(rows, vocab):.1%} of training response tokens",

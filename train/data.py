@@ -7,7 +7,9 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -195,4 +197,47 @@ def sample_positions(rng: np.random.Generator, lens: np.ndarray, plens: np.ndarr
     return pos, valid
 
 
-# ----------------------------------------------------------------------------- losses
+@dataclasses.dataclass
+class TrainingData:
+    """A run's data, set up once the same way for every trainer (`training_data`)."""
+
+    rows: Rows  # the training rows (only the drafter's feature columns, then the final-normed)
+    held: Rows  # the held-out rows (empty when the directory has none)
+    feat_idx: list[int]  # the drafter's columns in `rows.feats`
+    plan: list[tuple[int, list[int]]]  # the training batches (`batches_for`)
+    held_plan: list[tuple[int, list[int]]]  # the first `--eval-batches` held-out batches
+
+
+def training_data(args: Any, feature_layers: tuple[int, ...], say: Callable[..., Any] = print,
+                  train: bool = True) -> TrainingData:
+    """The rows, held-out rows and batch plans of `args.data` for a drafter reading
+    `feature_layers` (`args`: data, sets, seq_buckets, batch_tokens, eval_batches, eval_every).
+
+    Only the drafter's feature columns are kept in memory. Without held-out shards a warning is
+    said and `args.eval_every` set to 0 (no held-out evaluation). `train=False`: the held-out
+    rows only (they must exist), every one of their batches planned.
+    """
+    recorded = data_layers(args.data)
+    missing = set(feature_layers) - set(recorded)
+    if missing:
+        raise SystemExit(f"error: {args.data} lacks feature layers {sorted(missing)}")
+    cols = [recorded.index(i) for i in feature_layers]
+    feat_idx = list(range(len(cols)))  # rows hold only these columns (then the final-normed)
+    sets = getattr(args, "sets", None)
+    buckets = tuple(args.seq_buckets)
+    if not train:
+        held = load_rows(args.data, heldout=True, sets=sets, layers=cols)
+        return TrainingData(Rows([], [], []), held, feat_idx, [],
+                            batches_for(held, buckets, args.batch_tokens))
+    rows = load_rows(args.data, heldout=False, sets=sets, layers=cols)
+    try:
+        held = load_rows(args.data, heldout=True, sets=sets, layers=cols)
+    except SystemExit:
+        say("warning: no held-out shards (`python -m train datagen --split heldout`): "
+            "no held-out evaluation", flush=True)
+        held = Rows([], [], [])
+        args.eval_every = 0
+    plan = batches_for(rows, buckets, args.batch_tokens)
+    held_plan = (batches_for(held, buckets, args.batch_tokens)[: args.eval_batches]
+                 if len(held) else [])
+    return TrainingData(rows, held, feat_idx, plan, held_plan)

@@ -46,7 +46,7 @@ from jspec.prompts import load_prompt_set
 from jspec.state import bucket_length
 from jspec.tasks import agreement, score
 from jspec.verify.diversed import Diversed, DiversedHead, ensemble_logprob
-from train.drafters import finish_checkpoints
+from train.loop import finish_checkpoints
 
 DEFAULT_PROMPTS = "math:64-364"  # the training split of the math set (train.datagen.SPLITS)
 

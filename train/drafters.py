@@ -21,275 +21,59 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from jax.sharding import Mesh, NamedSharding
 
 from jspec import launch, sharding
-from jspec.drafters import dflash, eagle3
 from jspec.drafters.loading import drafter_file
 from jspec.drafters.trained import (
     DrafterConfig,
     Eagle3Params,
     Frozen,
     Params,
-    cast_matrices,
     check_target,
-    draft_logits,
     init_dense,
     load_drafter_file,
     save_drafter,
     split_frozen,
-    verify_head,
     with_stats,
 )
 from jspec.errors import JspecError
-from jspec.models.blocks import dense
 from jspec.models.model import load_model
+from train.batches import batch_for_step, batch_sharding, plan_entry, positions, step_batch
 from train.data import (
     Rows,
     batches_for,
     coverage,
     data_layers,
     draft_vocab,
-    eagle_layers,
     feature_stats,
-    load_rows,
-    make_batch,
     sample_positions,
-    window,
+    training_data,
 )
-from train.loop import Loop, finish_checkpoints, optimizer, plot_log, run_loop  # noqa: F401
+from train.evaluation import drafts_along, evaluate, greedy_drafts, replay_batch, replay_rounds
+from train.loop import Loop, finish_checkpoints, optimizer, plot_log, run_loop
+from train.losses import block_loss, forward_blocks
+from train.recipes import DEFAULT_DRAFT_VOCAB, RECIPES, Recipe, base_weight
+from train.update import eval_step, shard_for_training, train_step
+
+# The names tests, scripts and the other trainers import from here (`train.drafters` was one
+# module before losses, batches, evaluation and the CLI moved out).
+__all__ = [
+    "DEFAULT_DRAFT_VOCAB", "RECIPES", "Recipe", "Rows", "base_weight", "batch_for_step",
+    "batch_sharding", "batches_for", "block_loss", "drafter_config", "drafts_along",
+    "eval_step", "evaluate", "finish_checkpoints", "forward_blocks", "greedy_drafts",
+    "grow_ffn", "init_from", "optimizer", "plan_entry", "plot_log", "positions",
+    "replay_batch", "replay_rounds", "run", "sample_positions", "shard_for_training",
+    "step_batch", "train_step",
+]
 
 
-def _eagle3_hidden(cfg: DrafterConfig, p: Params, embed: jax.Array, tokens: jax.Array,
-                   feats: jax.Array, start: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Training-time test from every position; kept at the sampled chain starts s: hidden
-    states f32[B, N, K, D] and the positions i32[B, N, K] they predict (step j: s + j + 1)."""
-    steps = cfg.block
-    hs = eagle3.train_forward(cfg, p, embed, tokens, feats, steps)
-    hsel = jnp.stack([jnp.take_along_axis(h, start[..., None], axis=1) for h in hs], 2)
-    return hsel, start[..., None] + jnp.arange(2, steps + 2)[None, None]
-
-
-def _dflash_hidden(cfg: DrafterConfig, p: Params, embed: jax.Array, tokens: jax.Array,
-                   feats: jax.Array, anchors: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Blocks at the sampled anchors a: hidden states f32[B, M, γ-1, D] (block slot k
-    predicts token a + k) and those positions i32[B, M, γ-1]."""
-    gamma = cfg.block
-    h = dflash.train_forward(cfg, p, embed, tokens, feats, anchors, gamma)
-    return h[:, :, 1:], anchors[..., None] + jnp.arange(1, gamma)[None, None]
-
-
-def _eagle3_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ttt-steps", type=int, default=3,
-                   help="training-time-test steps (unrolled on own predictions)")
-    p.add_argument("--positions", type=int, default=128,
-                   help="chain starts sampled per sequence per step")
-
-
-def _dflash_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--layers", type=int, default=2, help="drafter layers")
-    p.add_argument("--block", type=int, default=8, help="block size γ (anchor + γ-1)")
-    p.add_argument("--anchors", type=int, default=48,
-                   help="anchors (blocks) sampled per sequence per step")
-
-
-@dataclasses.dataclass(frozen=True)
-class Recipe:
-    """What differs between training the trained drafters; the loop, losses, data, eval and
-    checkpointing are one code path for all (`RECIPES[kind]`)."""
-
-    init_params: Callable[[DrafterConfig, jax.Array], Params]
-    hidden: Callable[..., tuple[jax.Array, jax.Array]]  # (cfg, p, embed, tokens, feats, pos)
-    decay: Callable[[jax.Array], jax.Array]  # loss weight by 0-based draft index
-    window: tuple[int, int]  # sample_positions' (lo, hi): where positions may sit
-    count: str  # the argument giving positions sampled per sequence
-    shape: Callable[[argparse.Namespace, tuple[int, ...]], dict[str, Any]]  # config fields
-    add_args: Callable[[argparse.ArgumentParser], None]
-    ffn: int  # default MLP width
-    replay_chunk: int | None = None  # positions per `greedy_drafts` call (None: all at once)
-
-
-DEFAULT_DRAFT_VOCAB = 4096  # covers 87% of the corpus' response tokens (docs/BENCHMARKS.md)
-
-RECIPES: dict[str, Recipe] = {
-    # Chain starts s >= plen - 2 (step 1 predicts s + 2 >= plen); weights 0.8^k.
-    "eagle3": Recipe(eagle3.init_params, _eagle3_hidden, lambda k0: 0.8 ** k0, (-2, 3),
-                     "positions",
-                     lambda a, rec: {"num_layers": 1, "feature_layers": eagle_layers(rec),
-                                     "block": a.ttt_steps},
-                     _eagle3_args, 1536),
-    # Anchors a >= plen (the first generated token) with a + 1 < len; weights exp(-k/7).
-    "dflash": Recipe(dflash.init_params, _dflash_hidden, lambda k0: jnp.exp(-k0 / 7.0), (0, 2),
-                     "anchors",
-                     lambda a, rec: {"num_layers": a.layers, "feature_layers": rec,
-                                     "block": a.block},
-                     _dflash_args, 1024, replay_chunk=64),  # 64 blocks of γ queries a call
-}
-
-
-def base_weight(kind: str, k0: jax.Array) -> jax.Array:
-    """Position weights by 0-based draft index: 0.8^k (EAGLE-3), exp(-k/7) (DFlash)."""
-    return RECIPES[kind].decay(k0)
-
-
-def block_loss(kind: str, logits: jax.Array, t_logits: jax.Array, hard: jax.Array,
-               valid: jax.Array, vh: jax.Array, vat_head: bool, vat_weight: bool
-               ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Loss over drafted blocks.
-
-    Args (N blocks, K draft positions, Vd draft vocabulary):
-      logits f32[N, K, Vd] drafter; t_logits f32[N, K, Vd] target (restricted to the draft
-      vocabulary); hard i32[N, K] the target's token as a draft index (-1: not in it);
-      valid bool[N, K]; vh f32[N, K] verification-head logits.
-    """
-    kk = logits.shape[1]
-    logq = jax.nn.log_softmax(logits, axis=-1)
-    pt = jax.nn.softmax(t_logits, axis=-1)
-    soft = -jnp.sum(pt * logq, axis=-1)
-    hard_ce = -jnp.take_along_axis(logq, jnp.maximum(hard, 0)[..., None], axis=-1)[..., 0]
-    hard_ce = jnp.where(hard >= 0, hard_ce, 0.0)
-    # Simulated greedy verification: draft argmax == target argmax, up to the first miss.
-    match = (jnp.argmax(logits, -1) == jnp.argmax(t_logits, -1)) & valid
-    run = jnp.cumprod(match.astype(jnp.int32), axis=1)  # 1 while every earlier one matched
-    first_rej = jnp.sum(run, axis=1)  # [N] = k* (0-based index of the first rejection)
-    k0 = jnp.arange(kk, dtype=jnp.float32)[None]
-    if vat_weight:
-        w = jnp.where(k0 < first_rej[:, None], 1.0,
-                      base_weight(kind, k0 - first_rej[:, None].astype(jnp.float32)))
-    else:
-        w = jnp.broadcast_to(base_weight(kind, k0), logits.shape[:2])
-    w = jax.lax.stop_gradient(w) * valid
-    n_valid = jnp.maximum(jnp.sum(valid), 1)
-    ce = jnp.sum(w * (soft + hard_ce)) / n_valid
-    label = (k0 < first_rej[:, None]).astype(jnp.float32)
-    bce = jnp.sum(valid * (jnp.logaddexp(0.0, vh) - label * vh)) / n_valid
-    loss = ce + (bce if vat_head else 0.0)
-    blocks = jnp.maximum(jnp.sum(valid[:, 0]), 1)
-    # The metrics: decoding never accepts a token outside the draft vocabulary, so a position
-    # whose text token is outside it is a miss there, even where the drafter matches the
-    # target's best in-vocabulary token (on greedy text, the held-out shards, that token is the
-    # target's argmax: this is decoding's greedy acceptance). The loss above keeps `match`.
-    hit = match & (hard >= 0)
-    hit_run = jnp.sum(jnp.cumprod(hit.astype(jnp.int32), axis=1), axis=1)
-    metrics = {"loss": loss, "ce": ce, "vh_bce": bce,
-               "acc1": jnp.sum(hit[:, 0]) / blocks,
-               "tau_sim": 1.0 + jnp.sum(jnp.where(valid[:, 0], hit_run, 0)) / blocks}
-    return loss, metrics
-
-
-def forward_blocks(kind: str, cfg: DrafterConfig, params: Params, frozen: Frozen,
-                   batch: dict[str, jax.Array], matmul_dtype: Any = jnp.float32,
-                   with_target_hidden: bool = False) -> tuple[jax.Array, ...]:
-    """(logits, target logits, hard, valid, vh) for the sampled blocks of a batch, and with
-    `with_target_hidden` the target's final hidden state f32[N, K, D] that gives each position's
-    target logits (for a full-vocabulary p: `train.qtemp`).
-
-    matmul_dtype: the operands of the drafter's matmuls and of the draft head (float32
-    accumulation either way; the parameters and their gradients stay float32)."""
-    tokens, lens = batch["tokens"], batch["lens"]
-    feats = batch["feats"].astype(jnp.float32)
-    final = batch["final"].astype(jnp.float32)
-    head, to_draft = frozen.head.astype(matmul_dtype), frozen.to_draft
-    params = cast_matrices(with_stats(params, frozen.stats), matmul_dtype)
-    s = tokens.shape[1]
-    hsel, tpos = RECIPES[kind].hidden(cfg, params, frozen.embed, tokens, feats, batch["pos"])
-    valid = batch["valid"][..., None] & (tpos < lens[:, None, None])
-    tpc = jnp.minimum(tpos, s - 1)
-    b, n, kk = tpc.shape
-    fh = jnp.take_along_axis(final, (tpc - 1).reshape(b, n * kk)[..., None], axis=1)
-    t_logits = dense(fh, head.T).reshape(b, n, kk, -1)  # target's logits for token tpos
-    hard = to_draft[jnp.take_along_axis(tokens, tpc.reshape(b, n * kk), axis=1)].reshape(b, n, kk)
-    logits = draft_logits(cfg, params, head, hsel)
-    vh = verify_head(params, hsel)
-    flat = lambda x: x.reshape((b * n, kk, *x.shape[3:]))  # noqa: E731
-    out = flat(logits), flat(t_logits), flat(hard), flat(valid), flat(vh)
-    return (*out, fh.reshape(b * n, kk, -1)) if with_target_hidden else out
-
-
-def batch_sharding(mesh: Mesh, batch: dict[str, Any]) -> dict[str, NamedSharding]:
-    """Rows of every batch array over `data` (the rules table's `batch`), the rest replicated."""
-    return sharding.state_sharding(batch, mesh, batch=len(batch["lens"]))
-
-
-def shard_for_training(mesh: Mesh, cfg: DrafterConfig, params: Params, opt_state: Any,
-                       frozen: Frozen, batch: dict[str, Any] | None = None
-                       ) -> tuple[Any, ...]:
-    """Place the training inputs on `mesh` through the rules table.
-
-    Parameters and optimizer moments: heads / KV heads / MLP over `model` (their fields' axes);
-    the frozen target embedding and draft head: vocabulary over `model`; the batch: rows over
-    `data`. Multi-host safe (every process holds the same full batch: batches are a function
-    of (seed, step)).
-
-    Returns:
-      (params, opt_state, frozen[, batch]) placed.
-    """
-    out = (sharding.place(params, sharding.params_sharding(params, mesh, head_dim=cfg.head_dim)),
-           sharding.place(opt_state, sharding.params_sharding(opt_state, mesh,
-                                                              head_dim=cfg.head_dim)),
-           sharding.place(frozen, sharding.params_sharding(frozen, mesh)))
-    if batch is not None:
-        out = (*out, sharding.place(batch, batch_sharding(mesh, batch)))
-    return out
-
-
-def _to_device(mesh: Mesh | None, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    if mesh is None:
-        return {k: jnp.asarray(v) for k, v in batch.items()}
-    return sharding.place(batch, batch_sharding(mesh, batch))
-
-
-@functools.partial(jax.jit, static_argnames=("kind", "cfg", "tx", "vat_head", "vat_weight", "mesh",
-                                             "matmul_dtype"),
-                   donate_argnames=("params", "opt_state"))
-def train_step(params: Params, opt_state: Any, frozen: Frozen,
-               batch: dict[str, jax.Array], *, kind: str, cfg: DrafterConfig, tx: Any,
-               vat_head: bool, vat_weight: bool, mesh: Mesh | None = None,
-               matmul_dtype: str = "float32") -> tuple[Params, Any, dict[str, jax.Array]]:
-    """One optimizer step. `mesh` (static): keep params / moments / batch in their rules-table
-    layout (`shard_for_training`); the gradient all-reduce over `data` is the compiler's.
-    `matmul_dtype`: "float32" or "bfloat16" operands in the forward and backward matmuls."""
-
-    def pin(p, o):
-        if mesh is None:
-            return p, o
-        return (sharding.constrain(p, sharding.params_sharding(p, mesh, head_dim=cfg.head_dim)),
-                sharding.constrain(o, sharding.params_sharding(o, mesh, head_dim=cfg.head_dim)))
-
-    params, opt_state = pin(params, opt_state)
-    if mesh is not None:
-        batch = sharding.constrain(batch, batch_sharding(mesh, batch))
-
-    def loss_fn(p):
-        out = forward_blocks(kind, cfg, p, frozen, batch, jnp.dtype(matmul_dtype))
-        return block_loss(kind, *out, vat_head=vat_head, vat_weight=vat_weight)
-
-    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    metrics["grad_norm"] = optax.global_norm(grads)
-    params, opt_state = pin(params, opt_state)
-    return params, opt_state, metrics
-
-
-@functools.partial(jax.jit, static_argnames=("kind", "cfg"))
-def eval_step(params: Params, frozen: Frozen, batch: dict[str, jax.Array], *,
-              kind: str, cfg: DrafterConfig) -> dict[str, jax.Array]:
-    out = forward_blocks(kind, cfg, params, frozen, batch)
-    return block_loss(kind, *out, vat_head=True, vat_weight=False)[1]
-
-
-# ----------------------------------------------------------------------------- run
 def drafter_config(args: argparse.Namespace, target_config: Any,
                    recorded: tuple[int, ...]) -> DrafterConfig:
     c = target_config
@@ -359,156 +143,8 @@ def grow_ffn(cfg: DrafterConfig, params: Params, ffn: int, key: jax.Array
     return dataclasses.replace(cfg, ffn_size=ffn), params
 
 
-def positions(args: argparse.Namespace, kind: str, rng: np.random.Generator, lens: np.ndarray,
-              plens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(pos i32[B, N], valid bool[B, N]): the chain starts / anchors of a batch's rows."""
-    r = RECIPES[kind]
-    return sample_positions(rng, lens, plens, getattr(args, r.count), *r.window)
-
-
-def plan_entry(args: argparse.Namespace, plan: list, step: int) -> tuple[int, int, int, list[int]]:
-    """(epoch, index in the epoch, sequence bucket, row indices) of batch `step`: each epoch
-    visits the plan in a permutation drawn from (seed, epoch)."""
-    epoch, i = divmod(step, len(plan))
-    seq, idx = plan[np.random.default_rng([args.seed, epoch]).permutation(len(plan))[i]]
-    return epoch, i, seq, idx
-
-
-def batch_for_step(args: argparse.Namespace, rows: Rows, plan: list, step: int,
-                   feat_idx: list[int], cfg: DrafterConfig, part: np.ndarray | None = None
-                   ) -> dict[str, np.ndarray]:
-    """Batch `step` of the run: a pure function of (seed, step) (resumable, deterministic).
-
-    `part` (row indices into the batch, e.g. `sharding.process_rows`): build only those rows —
-    the same rows as in the whole batch (positions are drawn for every row from the lengths,
-    then cut), without assembling the others' tokens and features.
-    """
-    epoch, i, seq, idx = plan_entry(args, plan, step)
-    kept = [window(len(rows.tokens[r]), rows.plens[r], seq) for r in idx]
-    lens = np.asarray([min(len(rows.tokens[r]), seq) for r in idx], np.int32)
-    plens = np.asarray([p for _, p in kept], np.int32)
-    rng = np.random.default_rng([args.seed, epoch, i, 1])
-    pos, valid = positions(args, cfg.kind, rng, lens, plens)
-    part = np.arange(len(idx)) if part is None else np.asarray(part)
-    b = make_batch(rows, [idx[j] for j in part], seq, feat_idx)
-    b["pos"], b["valid"] = pos[part], valid[part]
-    return b
-
-
-def step_batch(args: argparse.Namespace, rows: Rows, plan: list, step: int, feat_idx: list[int],
-               cfg: DrafterConfig, mesh: Mesh | None) -> dict[str, jax.Array]:
-    """Batch `step` on the devices. On a mesh spanning several processes each process builds
-    only the rows its own devices hold and the global batch is assembled from those parts
-    (`sharding.place_rows`); otherwise the whole batch is placed."""
-    if mesh is None or jax.process_count() == 1:
-        return _to_device(mesh, batch_for_step(args, rows, plan, step, feat_idx, cfg))
-    size = len(plan_entry(args, plan, step)[3])
-    part = sharding.process_rows(mesh, size)
-    return sharding.place_rows(batch_for_step(args, rows, plan, step, feat_idx, cfg, part), mesh,
-                               size)
-
-
-@functools.partial(jax.jit, static_argnames=("kind", "cfg"))
-def greedy_drafts(params: Params, frozen: Frozen, batch: dict[str, jax.Array], pos: jax.Array,
-                  *, kind: str, cfg: DrafterConfig) -> tuple[jax.Array, jax.Array]:
-    """What greedy decoding drafts along a batch of text: for every position i32[B, M] of
-    `pos` (a chain start / an anchor), (drafts i32[B, M, K], first i32[B, M]): the drafter's
-    argmax draft-vocabulary indices for the K tokens from position `first` on, drafted from the
-    text before them (the drafter's own outputs in between, as in decoding)."""
-    params = with_stats(params, frozen.stats)
-    hsel, tpos = RECIPES[kind].hidden(cfg, params, frozen.embed, batch["tokens"],
-                                      batch["feats"].astype(jnp.float32), pos)
-    drafts = jnp.argmax(draft_logits(cfg, params, frozen.head, hsel), axis=-1)
-    return drafts.astype(jnp.int32), tpos[..., 0]
-
-
-def replay_rounds(target: np.ndarray, drafts: np.ndarray, start: int) -> tuple[int, int]:
-    """(tokens emitted, rounds) of greedy speculative decoding replayed along one row of the
-    target's own greedy text.
-
-    target: i32[n] the row's tokens as draft-vocabulary indices (-1 outside it: never
-    accepted); drafts: i32[n, K] the drafter's K-token draft starting at each position (-1:
-    none); start: the first position a round drafts (the one after the token sampled by the
-    prefill). A round accepts the longest prefix of its draft that the text continues with and
-    emits it plus one target token; the next round drafts from the position after them. On the
-    target's greedy text this is exactly what greedy decoding does (the drafter sees the same
-    text and features), so emitted / rounds is decoding's τ at K.
-    """
-    n, kk = len(target), drafts.shape[1]
-    pos, rounds = start, 0
-    while pos < n:
-        a = 0
-        while a < kk and pos + a < n and target[pos + a] >= 0 and drafts[pos, a] == target[pos + a]:
-            a += 1
-        rounds += 1
-        pos += a + 1
-    return max(n - start, 0), rounds
-
-
-def drafts_along(params: Params, frozen: Frozen, b: dict[str, np.ndarray], cfg: DrafterConfig,
-                 mesh: Mesh | None = None) -> np.ndarray:
-    """i32[B, S, K] (host): `greedy_drafts` of a batch's rows indexed by the first drafted
-    position (-1 where nothing is drafted from there)."""
-    rows, s = b["tokens"].shape
-    chunk = RECIPES[cfg.kind].replay_chunk or s
-    drafts = None
-    for c in range(0, s, chunk):
-        pos = np.minimum(np.arange(c, c + chunk, dtype=np.int32), s - 1)
-        # Placed like the batch (rows over `data` on a mesh; every process holds all of it).
-        dev = _to_device(mesh, {"tokens": b["tokens"], "feats": b["feats"], "lens": b["lens"],
-                                "pos": np.ascontiguousarray(np.broadcast_to(pos, (rows, chunk)))})
-        d, first = sharding.to_host(greedy_drafts(params, frozen, dev, dev["pos"],
-                                                  kind=cfg.kind, cfg=cfg))
-        if drafts is None:
-            drafts = np.full((rows, s, d.shape[-1]), -1, np.int32)
-        ok = (first >= 0) & (first < s)
-        r, m = np.nonzero(ok)
-        drafts[r, first[r, m]] = d[r, m]
-    return drafts
-
-
-def replay_batch(params: Params, frozen: Frozen, b: dict[str, np.ndarray], cfg: DrafterConfig,
-                 mesh: Mesh | None = None) -> tuple[int, int]:
-    """(tokens emitted, rounds) of `replay_rounds` summed over a batch's rows."""
-    tokens = b["tokens"]
-    drafts = drafts_along(params, frozen, b, cfg, mesh)
-    to_draft = np.asarray(frozen.to_draft)
-    emitted = rounds = 0
-    for i in range(len(tokens)):
-        n, p = int(b["lens"][i]), int(b["plens"][i])  # p >= 1: drafts exist from p + 1 on
-        e, r = replay_rounds(to_draft[tokens[i, :n]], drafts[i, :n], p + 1)
-        emitted, rounds = emitted + e, rounds + r
-    return emitted, rounds
-
-
-def evaluate(args, rows, plan, feat_idx, cfg, params, frozen, mesh=None) -> dict[str, float]:
-    """Held-out metrics: the means over `plan`'s batches of `block_loss`'s metrics at sampled
-    positions, and `tau_replay` — greedy decoding's τ at K = the trained chain / block length,
-    replayed along the held-out rows (`replay_rounds`; they are the target's greedy answers),
-    pooled over them: tokens per round, as decoding counts it. (`tau_sim` averages 1 + accepted
-    over uniformly sampled positions instead, so easy stretches, which decoding crosses in few
-    rounds, weigh more: it reads higher than decoding's τ.)"""
-    acc: dict[str, list[float]] = {}
-    emitted = rounds = 0
-    for j in range(len(plan)):
-        seq, idx = plan[j]
-        b = make_batch(rows, idx, seq, feat_idx)
-        rng = np.random.default_rng([args.seed, 10**6 + j])
-        b["pos"], b["valid"] = positions(args, cfg.kind, rng, b["lens"], b["plens"])
-        m = eval_step(params, frozen, _to_device(mesh, b), kind=cfg.kind, cfg=cfg)
-        for k, v in m.items():
-            acc.setdefault(k, []).append(float(v))
-        e, r = replay_batch(params, frozen, b, cfg, mesh)
-        emitted, rounds = emitted + e, rounds + r
-    out = {k: float(np.mean(v)) for k, v in acc.items()}
-    if rounds:
-        out["tau_replay"] = emitted / rounds
-    return out
-
-
 def run(args: argparse.Namespace) -> int:
-
-
+    """`python -m train eagle3 | dflash` (flags: `train.drafter_cli`)."""
     if args.vat:
         args.vat_head = args.vat_weight = True
     # One process per host: under `python -m jspec.launch` the rendezvous is in the environment;
@@ -527,19 +163,8 @@ def run(args: argparse.Namespace) -> int:
     recorded = data_layers(args.data)
     init = init_from(args, target.config) if args.init else None
     cfg = init[0] if init else drafter_config(args, target.config, recorded)
-    missing = set(cfg.feature_layers) - set(recorded)
-    if missing:
-        raise SystemExit(f"error: {args.data} lacks feature layers {sorted(missing)}")
-    cols = [recorded.index(i) for i in cfg.feature_layers]
-    rows = load_rows(args.data, heldout=False, sets=args.sets, layers=cols)
-    feat_idx = list(range(len(cols)))  # rows hold only these columns (then the final-normed)
-    try:
-        held = load_rows(args.data, heldout=True, sets=args.sets, layers=cols)
-    except SystemExit:
-        say("warning: no held-out shards (`python -m train datagen --split heldout`): "
-              "no held-out evaluation", flush=True)
-        held = Rows([], [], [])
-        args.eval_every = 0
+    data = training_data(args, cfg.feature_layers, say)
+    rows, held, feat_idx = data.rows, data.held, data.feat_idx
     vocab_path = out / "vocab.npy"
     if init is not None:  # the init drafter's vocabulary (its head rows are these tokens)
         vocab = init[2]
@@ -564,9 +189,7 @@ def run(args: argparse.Namespace) -> int:
             tmp = out / f".vocab-{os.getpid()}.npy"
             np.save(tmp, vocab)
             os.replace(tmp, vocab_path)
-    plan = batches_for(rows, tuple(args.seq_buckets), args.batch_tokens)
-    held_plan = (batches_for(held, tuple(args.seq_buckets), args.batch_tokens)[: args.eval_batches]
-                 if len(held) else [])
+    plan, held_plan = data.plan, data.held_plan
     resp = sum(len(t) - p for t, p in zip(rows.tokens, rows.plens, strict=True))
     say(f"train {cfg.kind}: {len(rows)} sequences ({resp} response tokens), {len(plan)} "
           f"batches/epoch; held-out {len(held)} sequences; draft vocab {len(vocab)} covers "
@@ -620,63 +243,3 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parsers(sub: Any) -> None:
-    for kind, help_ in (("eagle3", "train an EAGLE-3 drafter (one layer, training-time test)"),
-                        ("dflash", "train a DFlash block-diffusion drafter")):
-        p = sub.add_parser(kind, help=help_, description=help_ + ". " + __doc__.split("\n")[2])
-        p.set_defaults(func=run, kind=kind)
-        p.add_argument("--data", default="runs/data", help="datagen shard directory")
-        p.add_argument("--out", default=f"runs/{kind}",
-                       help="run directory: checkpoints, log.jsonl, vocab.npy, the drafter file")
-        p.add_argument("--name", default="", help="drafter file name (default: the kind)")
-        p.add_argument("--model", default="smollm2-135m", help="target model")
-        p.add_argument("--sets", nargs="*", default=None,
-                       help="prompt sets to train on (default: every set in --data)")
-        p.add_argument("--steps", type=int, default=300, help="optimizer steps")
-        p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
-        p.add_argument("--warmup", type=int, default=20, help="linear warmup steps")
-        p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
-        p.add_argument("--weight-decay", type=float, default=0.01)
-        p.add_argument("--batch-tokens", type=int, default=4096,
-                       help="tokens per batch (rows x sequence bucket)")
-        p.add_argument("--seq-buckets", type=int, nargs="+", default=[256, 512],
-                       help="padded sequence lengths (longer rows keep their last tokens)")
-        p.add_argument("--draft-vocab", type=int, default=None,
-                       help="draft vocabulary: the most frequent response tokens (default "
-                            f"{DEFAULT_DRAFT_VOCAB}; with --init the file's, and a larger N grows "
-                            "it: its tokens stay, the next most frequent are added)")
-        p.add_argument("--ffn", type=int, default=None,
-                       help=f"drafter MLP width (default {RECIPES[kind].ffn}; with --init the "
-                            "file's, and a larger N grows it: the new units start with zero "
-                            "output weights, so the grown drafter starts as the file's)")
-        p.add_argument("--init", default="",
-                       help="continue from this drafter, a file or a shipped name (e.g. "
-                            "smollm2-135m-eagle3), with its shape, vocabulary and feature "
-                            "statistics and a fresh optimizer and schedule: more steps or more "
-                            "data on a trained drafter (--draft-vocab and --ffn can grow it)")
-        RECIPES[kind].add_args(p)
-        p.add_argument("--vat", action="store_true",
-                       help="verification-aware training: head + adaptive weighting")
-        p.add_argument("--vat-head", action="store_true", help="VAT verification head only")
-        p.add_argument("--vat-weight", action="store_true",
-                       help="VAT adaptive position weighting only")
-        p.add_argument("--ckpt-every", type=int, default=25, help="Orbax checkpoint interval")
-        p.add_argument("--stop-after", type=int, default=0,
-                       help="stop after this many steps with a checkpoint, as if interrupted "
-                            "(the learning-rate schedule stays that of --steps; rerun to go on)")
-        p.add_argument("--eval-every", type=int, default=50,
-                       help="held-out simulated τ every N steps and at the end (0: never)")
-        p.add_argument("--eval-batches", type=int, default=8, help="held-out batches per eval")
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--mesh", default="",
-                       help="DATAxMODEL, e.g. 2x4: train on a device mesh (batch rows over data; "
-                            "heads, MLP, vocabulary over model; jspec.sharding.RULES). Needs "
-                            "DATA*MODEL devices (all hosts together)")
-        p.add_argument("--distributed", action="store_true",
-                       help="call jax.distributed.initialize() first (multi-host: run the same "
-                            "command on every host; see docs/SCALING.md)")
-        p.add_argument("--matmul-dtype", choices=("float32", "bfloat16"), default="float32",
-                       help="operands of the training matmuls (float32 accumulation and float32 "
-                            "parameters either way)")
-        p.add_argument("--f32", action="store_true",
-                       help="write the drafter in float32 (default bfloat16, half the size)")

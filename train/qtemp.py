@@ -41,8 +41,11 @@ from jspec.drafters.trained import (
 )
 from jspec.errors import JspecError
 from jspec.models.model import load_model
-from train import drafters as td
-from train.data import batches_for, data_layers, load_rows, make_batch
+from train import drafter_cli
+from train.batches import positions
+from train.data import make_batch, training_data
+from train.losses import forward_blocks
+from train.recipes import RECIPES
 
 
 def acceptance(kind: str, cfg: DrafterConfig, params: Params, frozen: Frozen,
@@ -52,7 +55,7 @@ def acceptance(kind: str, cfg: DrafterConfig, params: Params, frozen: Frozen,
     positions: alpha = sum_v min(p(v), q_s(v)), p = softmax(target logits / T) over the whole
     vocabulary (its tied head `frozen.embed`), q_s = softmax(drafter logits / (T s)) over the
     draft vocabulary."""
-    logits, t_logits, _, valid, _, fh = td.forward_blocks(kind, cfg, params, frozen, batch,
+    logits, t_logits, _, valid, _, fh = forward_blocks(kind, cfg, params, frozen, batch,
                                                           with_target_hidden=True)
     n, kk = valid.shape
     # The target's full-vocabulary normaliser (t_logits holds only the draft vocabulary's).
@@ -98,31 +101,26 @@ def run(args: argparse.Namespace) -> int:
         check_target(cfg, target.config)
     except JspecError as e:
         raise SystemExit(f"error: {e}") from e
-    if cfg.kind not in td.RECIPES:
+    if cfg.kind not in RECIPES:
         raise SystemExit(f"error: {args.drafter} is a {cfg.kind} drafter; qtemp fits "
-                         f"{' / '.join(td.RECIPES)} drafters")
-    recorded = data_layers(args.data)
-    missing = set(cfg.feature_layers) - set(recorded)
-    if missing:
-        raise SystemExit(f"error: {args.data} lacks feature layers {sorted(missing)}")
-    cols = [recorded.index(i) for i in cfg.feature_layers]
-    held = load_rows(args.data, heldout=True, layers=cols)
+                         f"{' / '.join(RECIPES)} drafters")
     # The recipe's own arguments (positions per row, window) at their training defaults.
     sub = argparse.ArgumentParser().add_subparsers()
-    td.add_parsers(sub)
-    rargs = sub.choices[cfg.kind].parse_args(["--seed", str(args.seed)])
-    plan = batches_for(held, tuple(rargs.seq_buckets), rargs.batch_tokens)[: args.batches]
+    drafter_cli.add_parsers(sub)
+    rargs = sub.choices[cfg.kind].parse_args(["--seed", str(args.seed), "--data", args.data])
+    data = training_data(rargs, cfg.feature_layers, train=False)
+    held, plan = data.held, data.held_plan[: args.batches]
     params, stats = split_frozen(params0)
     frozen = Frozen.of(target.weights.embed, vocab, stats)
     step = jax.jit(lambda b: acceptance(cfg.kind, cfg, params, frozen, b, args.temperature,
                                         scales))
-    feat_idx = list(range(len(cols)))
+    feat_idx = data.feat_idx
     alpha_sum, chain_sum, blocks = 0.0, np.zeros(len(scales)), 0
     bar = tqdm(plan, desc="qtemp", unit="batch")
     for j, (seq, idx) in enumerate(bar):
         b: dict[str, Any] = make_batch(held, idx, seq, feat_idx)
         rng = np.random.default_rng([args.seed, 10**6 + j])  # the training run's eval blocks
-        b["pos"], b["valid"] = td.positions(rargs, cfg.kind, rng, b["lens"], b["plens"])
+        b["pos"], b["valid"] = positions(rargs, cfg.kind, rng, b["lens"], b["plens"])
         alpha, valid = step({k: jnp.asarray(v) for k, v in b.items()})
         full = np.asarray(valid).all(axis=1)  # blocks whose every position is in the row
         alpha = np.asarray(alpha)[:, full]
