@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from jspec import safetensors_io
 from jspec.drafters.loading import drafter_file
 from jspec.drafters.trained import (
     DrafterConfig,
@@ -74,19 +74,13 @@ def chain_estimate(alpha: np.ndarray) -> np.ndarray:
 
 def write_q_temperature(src: Path, dst: Path, q_temperature: float) -> None:
     """`src` with `q_temperature` in its config, every tensor and other metadata entry as is."""
-    from safetensors import safe_open  # noqa: PLC0415  (a training-only dependency path)
-    from safetensors.numpy import save_file  # noqa: PLC0415
-
-    with safe_open(str(src), "np") as f:
-        meta = dict(f.metadata() or {})
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    meta = safetensors_io.read_metadata(src)
+    tensors = {k: np.array(v) for k, v in safetensors_io.read(src).items()}  # src may be dst
     cfg = json.loads(meta["jspec_drafter"])
     cfg["q_temperature"] = float(q_temperature)
     meta["jspec_drafter"] = json.dumps(cfg)
     DrafterConfig.from_json(meta["jspec_drafter"])  # still a valid config
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    os.replace(tmp, dst)
+    safetensors_io.write(dst, tensors, meta)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,9 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import jax
-from safetensors import safe_open
 
-from jspec import defaults
+from jspec import defaults, safetensors_io
 from jspec.drafters import d2sd, dflash, eagle3, interop, ngram, topk_tree
 from jspec.drafters.draft_model import DraftModel
 from jspec.drafters.ngram import NGram
@@ -82,8 +81,7 @@ def _d2sd(path: Path, cfg: Any, params: Any, vocab: Any, target: Any, cut: float
 
     if cut is not None:
         raise JspecError("D2SD drafts whole blocks: cut= does not apply")
-    with safe_open(str(path), "np") as f:
-        first_ref = (f.metadata() or {}).get(d2sd.META_FIRST)
+    first_ref = safetensors_io.read_metadata(path).get(d2sd.META_FIRST)
     if not first_ref:
         raise JspecError(f"{path} does not name its first drafter ({d2sd.META_FIRST})")
     if first_ref not in SHIPPED and not Path(first_ref).is_absolute():

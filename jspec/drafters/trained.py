@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec import safetensors_io
 from jspec.drafters.base import Capabilities, ChainDrafter, DraftContext, Proposal
 from jspec.errors import JspecError
 from jspec.models.blocks import Heads, LayerWeights, dense, matmul, rms_norm, rope_angles
@@ -403,10 +404,6 @@ def save_drafter(path: str | Path, cfg: DrafterConfig, params: Params, vocab_ids
     """safetensors with the config (metadata), the draft vocabulary and the parameters.
 
     `extra_metadata`: more string entries for the header (D²SD names its first drafter)."""
-    from safetensors.numpy import save_file  # noqa: PLC0415
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     out = {"vocab_ids": np.asarray(vocab_ids, np.int32)}
     for k, v in to_flat(params).items():
         a = np.asarray(jnp.asarray(v, jnp.float32))
@@ -414,35 +411,34 @@ def save_drafter(path: str | Path, cfg: DrafterConfig, params: Params, vocab_ids
             out["bf16." + k] = np.asarray(jnp.asarray(a, jnp.bfloat16)).view(np.uint16)
         else:
             out[k] = a.astype(dtype)
-    tmp = path.with_suffix(".tmp")
-    save_file(out, str(tmp), metadata={"jspec_drafter": cfg.to_json(), **(extra_metadata or {})})
-    tmp.replace(path)
+    safetensors_io.write(path, out, {"jspec_drafter": cfg.to_json(), **(extra_metadata or {})})
 
 
 def load_drafter_file(path: str | Path) -> tuple[DrafterConfig, Params, np.ndarray]:
-    from safetensors import safe_open  # noqa: PLC0415
-
+    """(config, parameters in float32, draft vocabulary) of a jspec drafter file."""
     path = Path(path)
     try:
-        with safe_open(str(path), "np") as f:
-            meta = f.metadata() or {}
-            if "jspec_drafter" not in meta:
-                raise JspecError(f"{path} is not a jspec drafter file (no config metadata)")
-            cfg = DrafterConfig.from_json(meta["jspec_drafter"])
-            params, vocab = {}, None
-            for k in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                a = f.get_tensor(k)
-                if k == "vocab_ids":
-                    vocab = a
-                elif k.startswith("bf16."):
-                    params[k[5:]] = jnp.asarray(
-                        jnp.asarray(a.view(jnp.bfloat16), jnp.float32))
-                else:
-                    params[k] = jnp.asarray(a, jnp.float32)
+        meta, tensors = safetensors_io.read_metadata(path), safetensors_io.read(path)
+    except JspecError as e:  # missing, or not safetensors (an unknown dtype says so itself)
+        if e.__cause__ is None:
+            raise
+        raise JspecError(f"cannot read drafter file {path}: {e.__cause__}") from e
+    if "jspec_drafter" not in meta:
+        raise JspecError(f"{path} is not a jspec drafter file (no config metadata)")
+    try:
+        cfg = DrafterConfig.from_json(meta["jspec_drafter"])
     except JspecError:
         raise
-    except Exception as e:  # safetensors raises its own error type for corrupt files
+    except Exception as e:  # a corrupt config
         raise JspecError(f"cannot read drafter file {path}: {e}") from e
+    params, vocab = {}, None
+    for k, a in tensors.items():
+        if k == "vocab_ids":
+            vocab = np.array(a)
+        elif k.startswith("bf16."):
+            params[k[5:]] = jnp.asarray(jnp.asarray(a.view(jnp.bfloat16), jnp.float32))
+        else:
+            params[k] = jnp.asarray(a, jnp.float32)
     if vocab is None:
         raise JspecError(f"{path} has no vocab_ids")
     try:
