@@ -7,7 +7,7 @@ from jspec.errors import JspecError, ModelLoadError, PlainDecodingWarning
 from jspec.inputs import bucket_prompts
 from jspec.length import FixedLength, LibraSpec
 from jspec.models import Chain, KVCache, Model, ModelConfig, Tree, Weights, forward, load_model
-from jspec.sampling import Sampling
+from jspec.sampling import Sampling, SamplingParams
 from jspec.state import GenerateOutput, SpecState, Stats
 from jspec.verify import ASD, Diversed, DiversedHead, Lossless
 
@@ -29,6 +29,7 @@ __all__ = [
            "NGram",
            "PlainDecodingWarning",
            "Sampling",
+           "SamplingParams",
            "SpecState",
            "Stats",
            "Tree",

@@ -3,7 +3,8 @@
 Static (changing these recompiles): the model config, `Sampling`, drafter/verifier/length
 objects, `max_new_tokens`, the prompt-length bucket, the cache capacity and the mesh.
 Dynamic: weights, prompt ids and lengths, the PRNG key, the per-row `limit` of new tokens,
-`stop_ids`.
+`stop_ids`, per-row `sampling_params` (temperature / top-k / top-p values; the static
+`Sampling` keeps greedy-vs-sampled and top-k's bound).
 Under a mesh (`jspec.sharding`), inputs are placed and the carried state is pinned to the
 rules-table layout; the round functions themselves are the single-device code
 (`jspec.rounds`), over the state of `jspec.state`.
@@ -11,6 +12,7 @@ rules-table layout; the round functions themselves are the single-device code
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from typing import Any
@@ -28,7 +30,7 @@ from jspec.models.config import ModelConfig
 from jspec.models.llama import Weights
 from jspec.models.model import Model
 from jspec.rounds import LengthPolicy, init_state, make_round, run_rounds
-from jspec.sampling import Sampling
+from jspec.sampling import Sampling, SamplingParams
 from jspec.state import GenerateOutput, SpecState, cache_capacity
 from jspec.verify import Lossless
 from jspec.verify.base import Verifier, check_verifier
@@ -36,7 +38,7 @@ from jspec.verify.base import Verifier, check_verifier
 # The verifier is a pytree argument (a learned DIVERSED head's arrays are leaves); Lossless and
 # ASD are registered static pytrees, so their settings still key the compilation cache.
 _STATIC = ("config", "sampling", "max_new_tokens", "capacity", "eos_ids", "k", "length",
-           "mesh", "platform")
+           "mesh", "platform", "features")
 
 
 def _pin_inputs(mesh: Mesh | None, config: ModelConfig, weights: Weights, drafter: Any,
@@ -78,46 +80,55 @@ def _pinned_round(mesh: Mesh | None, round_fn: Any) -> Any:
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _generate(weights: Weights, drafter: Any, verifier: Any, prompt_ids: jax.Array,
               prompt_lengths: jax.Array, key: jax.Array, limit: jax.Array | None = None,
-              stop: jax.Array | None = None, *, config: ModelConfig,
+              stop: jax.Array | None = None, params: SamplingParams | None = None, *,
+              config: ModelConfig,
               sampling: Sampling, max_new_tokens: int, capacity: int,
               eos_ids: tuple[int, ...], k: int, length: Any = None,
-              mesh: Mesh | None = None, platform: str | None = None) -> GenerateOutput:
+              mesh: Mesh | None = None, platform: str | None = None,
+              features: tuple[int, ...] = ()) -> GenerateOutput:
     with platforms.compiling_for(platform):
         return _generate_body(weights, drafter, verifier, prompt_ids, prompt_lengths, key,
-                              limit, stop, config=config, sampling=sampling, max_new_tokens=max_new_tokens,
-                              capacity=capacity, eos_ids=eos_ids, k=k, length=length, mesh=mesh)
+                              limit, stop, params, config=config, sampling=sampling,
+                              max_new_tokens=max_new_tokens, capacity=capacity, eos_ids=eos_ids,
+                              k=k, length=length, mesh=mesh, features=features)
 
 
 def _generate_body(weights: Weights, drafter: Any, verifier: Any, prompt_ids: jax.Array,
                    prompt_lengths: jax.Array, key: jax.Array, limit: jax.Array | None,
-                   stop: jax.Array | None, *, config: ModelConfig,
+                   stop: jax.Array | None, params: SamplingParams | None, *, config: ModelConfig,
                    sampling: Sampling, max_new_tokens: int, capacity: int,
                    eos_ids: tuple[int, ...], k: int, length: Any = None,
-                   mesh: Mesh | None = None) -> GenerateOutput:
+                   mesh: Mesh | None = None, features: tuple[int, ...] = ()) -> GenerateOutput:
     weights, drafter, verifier, prompt_ids, prompt_lengths = _pin_inputs(
         mesh, config, weights, drafter, verifier, prompt_ids, prompt_lengths)
     state = init_state(config, weights, drafter, prompt_ids, prompt_lengths, key,
                        sampling=sampling, max_new_tokens=max_new_tokens, capacity=capacity,
                        eos_ids=eos_ids, k=k, verifier=verifier, length=length, limit=limit,
-                       stop=stop)
+                       stop=stop, sampling_params=params, features=features)
     state = _pin_state(mesh, state)
     round_fn = make_round(config, weights, drafter, k=k, sampling=sampling, eos_ids=eos_ids,
-                          verifier=verifier, length=length)
+                          verifier=verifier, length=length, features=features)
     state = run_rounds(_pinned_round(mesh, round_fn), state, max_new_tokens - 1)
-    return GenerateOutput(tokens=state.tokens, lengths=state.num_new, logprobs=state.logprobs,
-                          stats=state.stats, verifier=state.verifier)
+    out = GenerateOutput(tokens=state.tokens, lengths=state.num_new, logprobs=state.logprobs,
+                         stats=state.stats, verifier=state.verifier)
+    if features:
+        w = prompt_ids.shape[1] + max_new_tokens
+        out = dataclasses.replace(out, sequence=state.seq[:, :w], features=state.features[:, :w],
+                                  final_hidden=state.final[:, :w])
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _init_jit(weights: Weights, drafter: Any, verifier: Any, prompt_ids: jax.Array,
-              prompt_lengths: jax.Array, key: jax.Array, **statics: Any) -> SpecState:
+              prompt_lengths: jax.Array, key: jax.Array,
+              params: SamplingParams | None = None, **statics: Any) -> SpecState:
     mesh = statics.pop("mesh", None)
     platform = statics.pop("platform", None)
     weights, drafter, verifier, prompt_ids, prompt_lengths = _pin_inputs(
         mesh, statics["config"], weights, drafter, verifier, prompt_ids, prompt_lengths)
     with platforms.compiling_for(platform):
         state = init_state(statics["config"], weights, drafter, prompt_ids, prompt_lengths, key,
-                           verifier=verifier,
+                           verifier=verifier, sampling_params=params,
                            **{k: v for k, v in statics.items() if k != "config"})
     return _pin_state(mesh, state)
 
@@ -141,6 +152,7 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
              sampling: Sampling = Sampling(), verifier: Verifier | None = None,
              length: LengthPolicy | None = None, key: jax.Array | None = None,
              capacity: int | None = None, limit: Any = None, stop_ids: Any = None,
+             sampling_params: SamplingParams | None = None, features: Any = False,
              attention_impl: str | None = None, mesh: Mesh | bool | None = None
              ) -> GenerateOutput:
     """Generate up to `max_new_tokens` tokens per prompt; works inside a user's `jax.jit`.
@@ -168,7 +180,16 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
         max_new_tokens] (default: max_new_tokens): a loop varies it without a recompile.
       stop_ids: dynamic stop token ids i32[S] replacing `model.eos_ids` (a row ends after
         emitting one); other values of the same S compile nothing (pad with -1).
-      sampling: `Sampling(temperature, top_k, top_p)`; temperature 0 is greedy.
+      sampling: `Sampling(temperature, top_k, top_p)`, static; temperature 0 is greedy.
+      sampling_params: `jspec.SamplingParams(temperature=, top_k=, top_p=)`, dynamic per-row
+        values (scalars or [B] arrays; a field left None keeps `sampling`'s): other values
+        compile nothing. `sampling` still decides the program: temperature > 0 for the
+        sampled one (a row at temperature 0 is then greedy), top_k > 0 as the bound of a
+        traced top_k. Lossless verification then takes the xla acceptance path.
+      features: static; True (the drafter's `caps.feature_layers`) or a tuple of target layer
+        indices (plain decoding, or a drafter without feature layers): also return the
+        rollout as a drafter's training batch, `sequence`, `features` and `final_hidden`
+        (`GenerateOutput`), read from the passes that already ran.
       key: PRNG key for sampling; required when sampling (temperature > 0: a missing key is
         an error, so that a loop never reuses one silently); unused when greedy.
       capacity: static KV-cache slots (default: prompt bucket + max_new_tokens, rounded up).
@@ -183,29 +204,32 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
     Returns:
       GenerateOutput: tokens i32[B, max_new_tokens] (-1 after each row's end), lengths i32[B],
       logprobs f32[B, max_new_tokens] (log p of each token under the processed target
-      distribution; 0 after each row's end), stats. Under a mesh, arrays are sharded over
-      `data` by row.
+      distribution; 0 after each row's end), stats; with `features`, sequence / features /
+      final_hidden. Under a mesh, arrays are sharded over `data` by row.
     """
     statics, args = _prepare(model, prompt_ids, prompt_lengths, attention_mask, padding_side,
                              drafter, max_new_tokens, sampling, verifier, length, key, capacity,
-                             attention_impl, mesh)
+                             attention_impl, mesh, features)
     ids = args[3]  # (weights, drafter, verifier, ids, lengths, key)
     with sharding.using(statics["mesh"]):
         if statics["mesh"] is None and not isinstance(ids, jax.core.Tracer):
             _check_memory(*args, statics)
-        return _generate(*args, _limit(limit, ids.shape[0]), _stop_ids(stop_ids), **statics)
+        return _generate(*args, _limit(limit, ids.shape[0]), _stop_ids(stop_ids),
+                         _sampling_params(sampling_params, statics["sampling"], ids.shape[0]),
+                         **statics)
 
 
 def _prepare(model: Model, prompt_ids: Any, prompt_lengths: Any, attention_mask: Any,
              padding_side: str, drafter: Any, max_new_tokens: int, sampling: Sampling,
              verifier: Any, length: Any, key: jax.Array | None, capacity: int | None,
-             attention_impl: str | None, mesh: Mesh | bool | None
+             attention_impl: str | None, mesh: Mesh | bool | None, features: Any = False
              ) -> tuple[dict[str, Any], tuple[Any, ...]]:
     """What `generate` and `stream` share: validate the inputs, choose plain decoding where it
     is faster, fix the static arguments, place the inputs on the mesh. Returns the statics and
     (weights, drafter, verifier, ids, lengths, key)."""
-    if not isinstance(sampling, Sampling):
-        raise JspecError(f"sampling must be a jspec.Sampling, got {type(sampling).__name__}")
+    if not isinstance(sampling, Sampling) or sampling.rows is not None:
+        raise JspecError("sampling must be a jspec.Sampling (per-row values go to "
+                         f"sampling_params=), got {sampling!r}")
     if attention_impl is not None:
         model = model.with_attention_impl(attention_impl)
     ids, lengths = validate_prompts(model, prompt_ids, prompt_lengths, max_new_tokens, capacity,
@@ -213,6 +237,7 @@ def _prepare(model: Model, prompt_ids: Any, prompt_lengths: Any, attention_mask:
     ids = pad_to_bucket(ids)
     traced = in_user_trace()
     _check_mesh_argument(mesh, traced)
+    layers = feature_layers(features, drafter, model.config)
     if plain_is_faster(drafter, length, verifier, ids.shape[0]):
         limit = drafter.caps.max_batch
         where = "at every batch size" if limit == 0 else f"past batch {limit}"
@@ -230,6 +255,7 @@ def _prepare(model: Model, prompt_ids: Any, prompt_lengths: Any, attention_mask:
         drafter, verifier = None, None
     statics = _statics(model, ids, drafter, sampling, max_new_tokens, verifier, length, capacity,
                        mesh)
+    statics["features"] = layers
     if key is None:
         if not sampling.greedy:
             raise JspecError(f"sampling at temperature {sampling.temperature} needs a PRNG key: "
@@ -252,6 +278,50 @@ def _limit(limit: Any, batch: int) -> jax.Array | None:
         raise JspecError(f"limit must be a scalar or one value per row ({batch}), got shape "
                          f"{limit.shape}")
     return jnp.broadcast_to(limit, (batch,))
+
+
+def feature_layers(features: Any, drafter: Any, config: ModelConfig) -> tuple[int, ...]:
+    """`features=` as the static tuple of target layers whose hidden states are returned
+    (() when off): True means the drafter's own feature layers; a tuple must equal them when
+    the drafter has some (its forwards compute those)."""
+    if features is False or features is None:
+        return ()
+    own = () if drafter is None else tuple(getattr(drafter.caps, "feature_layers", ()))
+    if features is True:
+        if not own:
+            raise JspecError("features=True returns the drafter's feature layers and this "
+                             "decoding has none: pass features=(layer, ...) (target layers)")
+        return own
+    layers = tuple(int(i) for i in features)
+    if not layers or any(not 0 <= i < config.num_layers for i in layers):
+        raise JspecError(f"features must be True or target layer indices in [0, "
+                         f"{config.num_layers}), got {features!r}")
+    if own and layers != own:
+        raise JspecError(f"this drafter's forwards return layers {own}: pass features=True "
+                         f"(or features={own}), got {layers}")
+    return layers
+
+
+def _sampling_params(params: SamplingParams | None, sampling: Sampling, batch: int
+                     ) -> SamplingParams | None:
+    """`sampling_params=` checked against the static `sampling`, each given field as f32[B] /
+    i32[B] (a scalar is broadcast, so that both compile one program)."""
+    if params is None:
+        return None
+    sampling.check_rows(params)
+
+    def rows(a: Any, dtype: Any, name: str) -> jax.Array | None:
+        if a is None:
+            return None
+        a = jnp.asarray(a, dtype)
+        if a.ndim > 1 or (a.ndim == 1 and a.shape[0] != batch):
+            raise JspecError(f"sampling_params.{name} must be a scalar or one value per row "
+                             f"({batch}), got shape {a.shape}")
+        return jnp.broadcast_to(a, (batch,))
+
+    return SamplingParams(temperature=rows(params.temperature, jnp.float32, "temperature"),
+                          top_k=rows(params.top_k, jnp.int32, "top_k"),
+                          top_p=rows(params.top_p, jnp.float32, "top_p"))
 
 
 def _stop_ids(stop_ids: Any) -> jax.Array | None:
@@ -385,21 +455,22 @@ def stream(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
            drafter: Drafter | None = None, max_new_tokens: int = 128,
            sampling: Sampling = Sampling(), verifier: Verifier | None = None,
            length: LengthPolicy | None = None, key: jax.Array | None = None,
-           rounds_per_dispatch: int = 8,
+           sampling_params: SamplingParams | None = None, rounds_per_dispatch: int = 8,
            attention_impl: str | None = None, mesh: Mesh | bool | None = None):
     """Yield (tokens i32[B, N], num_new i32[B], stats, all_done) after each dispatch.
 
     The same rounds as `generate`, `rounds_per_dispatch` of them per device dispatch; the host
     reads the state once per dispatch (not per token), which lets a terminal show text as it
     is produced. `attention_mask`, `padding_side`, `key` (required when sampling),
-    `attention_impl` and `mesh` as in `generate`.
+    `sampling_params`, `attention_impl` and `mesh` as in `generate`.
     """
     statics, (weights, drafter, verifier, ids, lengths, key) = _prepare(
         model, prompt_ids, prompt_lengths, attention_mask, padding_side, drafter, max_new_tokens,
         sampling, verifier, length, key, None, attention_impl, mesh)
     mesh = statics["mesh"]
     with sharding.using(mesh):
-        state = _init_jit(weights, drafter, verifier, ids, lengths, key, **statics)
+        state = _init_jit(weights, drafter, verifier, ids, lengths, key,
+                          _sampling_params(sampling_params, sampling, ids.shape[0]), **statics)
     loop_statics = {k: statics[k] for k in ("config", "sampling", "eos_ids", "k", "length",
                                             "mesh", "platform")}
     while True:

@@ -25,41 +25,52 @@ from jspec.models.config import ModelConfig
 from jspec.models.llama import Chain, Tree, Weights, forward
 from jspec.sampling import (
     Sampling,
+    SamplingParams,
     dense_q,
     process_logits,
     processed_logprobs,
     sample_with_logprobs,
 )
-from jspec.state import SpecState, commit, features, is_eos, prefill
+from jspec.state import SpecState, commit, is_eos, prefill
+from jspec.state import features as features_of
 from jspec.verify.base import Verifier
 
 LengthPolicy = FixedLength | LibraSpec
 
 
 def autoregressive_round(config: ModelConfig, weights: Weights, state: SpecState, *,
-                         sampling: Sampling, eos_ids: tuple[int, ...]) -> SpecState:
-    """One target forward over `last`, one new token per unfinished row."""
+                         sampling: Sampling, eos_ids: tuple[int, ...],
+                         features: tuple[int, ...] = ()) -> SpecState:
+    """One target forward over `last`, one new token per unfinished row (`features`: the
+    layers whose hidden states the state keeps, `SpecState.features`)."""
+    sampling = sampling.with_rows(state.sampling)
     cache = state.cache
     with jax.named_scope("verify"):
-        out = forward(config, weights, state.last[:, None], cache.lengths[:, None], cache)
+        out = forward(config, weights, state.last[:, None], cache.lengths[:, None], cache,
+                      hidden_layers=features)
     key, sub = jax.random.split(state.key)
     nxt, lp = sample_with_logprobs(sub, out.logits[:, 0], sampling)
+    kept = {} if not features else dict(feats=feature_rows(out.hidden), final=out.final_hidden)
     with jax.named_scope("commit"):
         state = commit(state, nxt[:, None], jnp.ones_like(nxt), state.stop, out.cache,
-                       jnp.zeros_like(nxt), 0, logprobs=lp[:, None])
+                       jnp.zeros_like(nxt), 0, logprobs=lp[:, None], **kept)
     return dataclasses.replace(state, key=key)
 
 
 def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, state: SpecState,
                       *, policy: LengthPolicy, sampling: Sampling, eos_ids: tuple[int, ...],
-                      verifier: Verifier) -> SpecState:
-    """propose -> one target forward -> verify -> (move the path's K/V) -> observe -> commit."""
+                      verifier: Verifier, features: tuple[int, ...] = ()) -> SpecState:
+    """propose -> one target forward -> verify -> (move the path's K/V) -> observe -> commit.
+    `features`: the layers whose hidden states the state keeps (the drafter's own, or any
+    layers when it has none), `SpecState.features`."""
 
+    sampling = sampling.with_rows(state.sampling)  # per-row traced values, if any
     key, k_draft, k_verify = jax.random.split(state.key, 3)
     cache = state.cache
     live = ~state.done
     caps = drafter.caps
     fl = caps.feature_layers
+    hl = fl or features  # the layers each target forward returns
     k = policy.draft_sizes(caps)[1]  # the longest path a round accepts (chain, tree depth)
     ctx = DraftContext(seq=state.seq, cache_len=cache.lengths, last=state.last)
     with jax.named_scope("draft"):
@@ -91,13 +102,20 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
         lp = processed_logprobs(z, toks.at[rows, n].set(nxt))
         return jnp.pad(lp, ((0, 0), (0, m_emit - lp.shape[1])))
 
-    def feats_of(out, path):  # f32[B, k+1, F, D] target features along the path (or a dummy)
-        if not fl:
-            return jnp.zeros((b, 0), jnp.float32)
-        f = features(out.hidden, caps.feature_norm)
+    def along(f, path):  # f32[B, T, ...] -> [B, k+1, ...] along the path (a chain: padded)
         if path is not None:
-            return jnp.take_along_axis(f, path[:, :, None, None], axis=1)
-        return jnp.pad(f, ((0, 0), (0, k + 1 - f.shape[1]), (0, 0), (0, 0)))
+            return jnp.take_along_axis(f, path.reshape(*path.shape, *(1,) * (f.ndim - 2)), axis=1)
+        return jnp.pad(f, ((0, 0), (0, k + 1 - f.shape[1])) + ((0, 0),) * (f.ndim - 2))
+
+    def feats_of(out, path):
+        """(the drafter's f32[B, k+1, F, D] target features along the path, the kept
+        `features` and final hidden states there), each a dummy when not needed."""
+        none = jnp.zeros((b, 0), jnp.float32)
+        mine = along(features_of(out.hidden, caps.feature_norm), path) if fl else none
+        if not features:
+            return mine, none, none
+        kept = mine if fl and caps.feature_norm == "rms" else along(feature_rows(out.hidden), path)
+        return mine, kept, along(out.final_hidden.astype(jnp.float32), path)
 
     def verify_width(w):
         def plain(cache, vstate):
@@ -105,7 +123,7 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
             # every node rejected, at a fraction of the cost).
             with jax.named_scope("verify"):
                 out = forward(config, weights, state.last[:, None], cache.lengths[:, None],
-                              cache, hidden_layers=fl, write_cache=False)
+                              cache, hidden_layers=hl, write_cache=False)
             with jax.named_scope("accept"):
                 nxt, lp = sample_with_logprobs(k_verify, out.logits[:, 0], sampling)
             n = jnp.zeros_like(nxt)
@@ -127,7 +145,7 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
                 pos = cache.lengths[:, None] + dep
                 mask = Tree(par)
             with jax.named_scope("verify"):
-                out = forward(config, weights, toks, pos, cache, mask=mask, hidden_layers=fl,
+                out = forward(config, weights, toks, pos, cache, mask=mask, hidden_layers=hl,
                               write_cache=False)
             with jax.named_scope("accept"):
                 if prop.is_chain:
@@ -199,15 +217,21 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
             path_tok = jnp.take_along_axis(draft, jnp.maximum(path[:, 1:] - 1, 0), axis=1)
         new_cache = cache.write(*new_kv)
         if fl:
-            dstate = drafter.observe(dstate, feats, cache.lengths, n + 1)
+            dstate = drafter.observe(dstate, feats[0], cache.lengths, n + 1)
         emitted = jnp.concatenate([path_tok, jnp.zeros_like(nxt)[:, None]], axis=1)
         emitted = emitted.at[rows, n].set(nxt)
         # `drafted` counts the nodes each row proposed and the length policy put up for
         # verification (a chain: its first d; a tree: all), not the empty (-1) nodes of a
         # wider verify. Trees: no oracle length.
+        kept = {} if not features else dict(feats=feats[1], final=feats[2])
         state = commit(state, emitted, n + 1, state.stop, new_cache, n, scored,
-                       oracle=oracle if prop.is_chain else None, logprobs=lp)
+                       oracle=oracle if prop.is_chain else None, logprobs=lp, **kept)
     return dataclasses.replace(state, key=key, drafter=dstate, verifier=vstate)
+
+
+def feature_rows(hidden: jax.Array) -> jax.Array:
+    """The kept features (`SpecState.features`): RMS-normalised, as train/featurize writes."""
+    return features_of(hidden, "rms")
 
 
 def path_kv(new_kv: tuple[jax.Array, ...], path: jax.Array) -> tuple[jax.Array, ...]:
@@ -240,16 +264,16 @@ def length_policy(k: int, length: LengthPolicy | None) -> LengthPolicy:
 
 def make_round(config: ModelConfig, weights: Weights, drafter: Drafter | None, *, k: int,
                sampling: Sampling, eos_ids: tuple[int, ...], verifier: Verifier | None = None,
-               length: LengthPolicy | None = None) -> Any:
+               length: LengthPolicy | None = None, features: tuple[int, ...] = ()) -> Any:
     """The round function `SpecState -> SpecState` for this drafter (None: autoregressive)
     and length policy (None / FixedLength: `k` drafts per round; LibraSpec: dynamic)."""
 
     if drafter is None:
         return functools.partial(autoregressive_round, config, weights, sampling=sampling,
-                                 eos_ids=eos_ids)
+                                 eos_ids=eos_ids, features=features)
     return functools.partial(speculative_round, config, weights, drafter,
                              policy=length_policy(k, length), sampling=sampling,
-                             eos_ids=eos_ids, verifier=verifier)
+                             eos_ids=eos_ids, verifier=verifier, features=features)
 
 
 def init_state(config: ModelConfig, weights: Weights, drafter: Drafter | None,
@@ -257,10 +281,13 @@ def init_state(config: ModelConfig, weights: Weights, drafter: Drafter | None,
                sampling: Sampling, max_new_tokens: int, capacity: int,
                eos_ids: tuple[int, ...], k: int, verifier: Verifier | None = None,
                length: LengthPolicy | None = None, limit: jax.Array | None = None,
-               stop: jax.Array | None = None) -> SpecState:
+               stop: jax.Array | None = None, sampling_params: SamplingParams | None = None,
+               features: tuple[int, ...] = ()) -> SpecState:
     """Prefill the target (and the drafter) and sample the first new token; `limit` (i32[]
     or i32[B], dynamic) caps each row's new tokens below the static `max_new_tokens`; `stop`
-    (i32[S], dynamic) replaces `eos_ids` as the stop ids the state carries (rounds read those).
+    (i32[S], dynamic) replaces `eos_ids` as the stop ids the state carries (rounds read those);
+    `sampling_params` (per-row traced values) likewise. `features`: the layers whose hidden
+    states the state keeps for the output (the drafter's own, or any when it has none).
 
     `k` is the chain length (LibraSpec: d_max); the drafter's own proposal width is k, or one
     block under LibraSpec, and the longest path a round accepts k, or a proposer's longer
@@ -271,10 +298,11 @@ def init_state(config: ModelConfig, weights: Weights, drafter: Drafter | None,
     k_draft, width = (k, k) if caps is None else length_policy(k, length).draft_sizes(caps)
     state, out = prefill(config, weights, prompt_ids, prompt_lengths, key, sampling=sampling,
                          max_new_tokens=max_new_tokens, capacity=capacity, eos_ids=eos_ids,
-                         draft_k=width, feature_layers=fl, limit=limit, stop=stop)
+                         draft_k=width, feature_layers=fl or features, limit=limit, stop=stop,
+                         sampling_params=sampling_params, keep_features=bool(features))
     if drafter is not None:
         with jax.named_scope("draft_prefill"):
-            feats = features(out.hidden, caps.feature_norm) if fl else None
+            feats = features_of(out.hidden, caps.feature_norm) if fl else None
             dstate = drafter.init_state(feats, prompt_ids, prompt_lengths, capacity, k=k_draft,
                                         verify_width=width)
         state = dataclasses.replace(state, drafter=dstate)

@@ -15,6 +15,24 @@ NEG = -1e30  # finite "minus infinity" for filtered logits
 _F32 = np.finfo(np.float32)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-row sampling values, traced: other values compile nothing (an RL loop anneals its
+    temperature without a recompile). A field left None takes the static `Sampling`'s value for
+    every row; a given field is f32[B] / i32[B] (`generate` broadcasts a scalar). Which fields
+    are given is static (the pytree's structure).
+
+    Values are not checked (they are traced): a temperature <= 0 makes that row greedy inside
+    the sampled program (its distribution is one-hot at the argmax, so its log-probs are 0),
+    top_k is clipped to [0, Sampling.top_k] (0 = all), a top_p >= 1 keeps every token.
+    """
+
+    temperature: jax.Array | None = None  # f32[B]
+    top_k: jax.Array | None = None  # i32[B]
+    top_p: jax.Array | None = None  # f32[B]
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """How tokens are chosen. Static under jit: changing a field recompiles.
@@ -22,11 +40,20 @@ class Sampling:
     temperature: 0 means greedy (argmax); > 0 samples from softmax(logits / T).
     top_k: keep the k most likely tokens (0 = all).
     top_p: keep the smallest set of most likely tokens whose mass reaches top_p (1 = all).
+
+    With per-row traced values (`SamplingParams`, `generate(sampling_params=)`) the static
+    fields decide the program and the params carry the values: temperature > 0 compiles the
+    sampled program (greedy stays a static choice: argmax, no key, no q), top_k > 0 is the
+    largest k a row may ask for (`lax.top_k` needs a static k) and is required for a traced
+    top_k, and a traced top_p compiles the sort in. `rows` holds those params inside a trace
+    (`with_rows`); it is no part of the static identity and never a user's argument.
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    rows: SamplingParams | None = dataclasses.field(default=None, compare=False, hash=False,
+                                                    repr=False)
 
     def __post_init__(self) -> None:
         if (not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature)
@@ -37,9 +64,100 @@ class Sampling:
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise JspecError(f"top_p must be in (0, 1], got {self.top_p}")
 
+    def __hash__(self) -> int:
+        # Per-row values are arrays of one trace: as a static jit argument they would key the
+        # cache without their values (a stale constant), so such a Sampling is not hashable.
+        if self.rows is not None:
+            raise TypeError("a Sampling with per-row values (with_rows) is not static: pass "
+                            "the values as a traced jspec.SamplingParams argument")
+        return hash((self.temperature, self.top_k, self.top_p))
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def check_rows(self, params: SamplingParams | None) -> None:
+        """JspecError unless `params` fit this static sampling (checked before tracing)."""
+        if params is None:
+            return
+        if not isinstance(params, SamplingParams):
+            raise JspecError("sampling_params must be a jspec.SamplingParams, got "
+                             f"{type(params).__name__}")
+        if self.greedy and any(f is not None for f in (params.temperature, params.top_k,
+                                                       params.top_p)):
+            raise JspecError("sampling_params with greedy Sampling(): greedy (argmax) is a static "
+                             "program; pass Sampling(temperature=1.0) (any T > 0) for the sampled "
+                             "one, whose rows take sampling_params' values (a row at temperature "
+                             "0 is then greedy)")
+        if params.top_k is not None and self.top_k == 0:
+            raise JspecError("a traced top_k needs a static bound: pass Sampling(top_k=K) with "
+                             "K the largest k a row uses (lax.top_k takes a static k)")
+
+    def with_rows(self, params: SamplingParams | None) -> Sampling:
+        """This sampling with per-row traced values (None: itself, the static values)."""
+        if params is None:
+            return self
+        self.check_rows(params)
+        return dataclasses.replace(self, rows=params)
+
+
+def _per_row(a: jax.Array, x: jax.Array) -> jax.Array:
+    """a [B] (or a scalar) shaped to broadcast against x [B, ..., V]."""
+    a = jnp.asarray(a)
+    if a.ndim == 0:
+        return a
+    if x.ndim < 2 or a.shape[0] != x.shape[0]:
+        raise JspecError(f"per-row sampling values of shape {a.shape} for logits of shape "
+                         f"{x.shape}: the logits' leading dimension must be the batch")
+    return a.reshape(a.shape + (1,) * (x.ndim - 1))
+
+
+def _scale(x: jax.Array, t: float | jax.Array) -> jax.Array:
+    """Shifted logits divided by the temperature; a traced t <= 0 makes its row one-hot at the
+    first maximum (NEG elsewhere)."""
+    # XLA flushes a subnormal float32 divisor to 0 (0 / 0 = NaN): below float32's normal range
+    # scale by 1 / T instead, capped at float32's max (logits 3e-37 apart are one-hot there).
+    if not isinstance(t, jax.Array):
+        return x / t if t >= _F32.tiny else x * min(1.0 / t, float(_F32.max))
+    t = _per_row(t, x)
+    safe = jnp.where(t > 0, t, 1.0)
+    scaled = jnp.where(t >= _F32.tiny, x / safe,
+                       x * jnp.minimum(1.0 / safe, jnp.float32(_F32.max)))
+    hot = argmax(x)[..., None] == jnp.arange(x.shape[-1], dtype=jnp.int32)
+    return jnp.where(t > 0, scaled, jnp.where(hot, 0.0, NEG))
+
+
+def _top_k(x: jax.Array, k: int, rows_k: jax.Array | None) -> jax.Array:
+    """x with entries below each row's k-th largest set to NEG (`rows_k`: i32[B] per row in
+    [0, k], 0 = all; None: the static k for every row)."""
+    v = x.shape[-1]
+    if rows_k is None:
+        if not 0 < k < v:
+            return x
+        kth = jax.lax.top_k(x, k)[0][..., -1:]
+        return jnp.where(x < kth, NEG, x)
+    cap = min(k, v)
+    kr = _per_row(rows_k, x)
+    idx = jnp.broadcast_to(jnp.clip(kr, 1, cap) - 1, (*x.shape[:-1], 1)).astype(jnp.int32)
+    kth = jnp.take_along_axis(jax.lax.top_k(x, cap)[0], idx, axis=-1)
+    return jnp.where((kr > 0) & (x < kth), NEG, x)
+
+
+def _top_p(x: jax.Array, p: float | jax.Array) -> jax.Array:
+    """x with the tail beyond the smallest set reaching mass p set to NEG (p a float, or
+    f32[B] per row where p >= 1 keeps every token)."""
+    if not isinstance(p, jax.Array) and p >= 1.0:
+        return x
+    pr = p if not isinstance(p, jax.Array) else _per_row(p, x)
+    srt = jnp.sort(x, axis=-1)[..., ::-1]
+    cum = jnp.cumsum(jax.nn.softmax(srt, axis=-1), axis=-1)
+    # The kept set is every token up to and including the first that reaches top_p.
+    n_keep = jnp.sum(cum - jax.nn.softmax(srt, axis=-1) < pr, axis=-1, keepdims=True)
+    thresh = jnp.take_along_axis(srt, jnp.maximum(n_keep - 1, 0), axis=-1)
+    cut = x < thresh
+    if isinstance(p, jax.Array):
+        cut = cut & (pr < 1.0)
+    return jnp.where(cut, NEG, x)
 
 
 def process_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
@@ -50,30 +168,18 @@ def process_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
     each row's maximum is 0 (softmax, top-k, top-p and Gumbel-max do not see a shift): with the
     shift taken before dividing, a tiny temperature (1e-38, even below float32's normal range)
     cannot overflow `logits / T` at the maximum, and entries below NEG (-inf once divided) are
-    clamped to NEG, so every entry stays finite.
+    clamped to NEG, so every entry stays finite. Per-row values (`sampling.rows`) take the
+    same steps with the row's value (the leading dimension of `logits` is the batch).
     """
     x = logits.astype(jnp.float32)
     if sampling.greedy:
         return x
+    rows = sampling.rows or SamplingParams()
     x = x - jnp.max(x, axis=-1, keepdims=True)
-    t = sampling.temperature
-    # XLA flushes a subnormal float32 divisor to 0 (0 / 0 = NaN): below float32's normal range
-    # scale by 1 / T instead, capped at float32's max (logits 3e-37 apart are one-hot there).
-    x = x / t if t >= _F32.tiny else x * min(1.0 / t, float(_F32.max))
+    x = _scale(x, sampling.temperature if rows.temperature is None else rows.temperature)
     x = jnp.maximum(x, NEG)
-    v = x.shape[-1]
-    if 0 < sampling.top_k < v:
-        kth = jax.lax.top_k(x, sampling.top_k)[0][..., -1:]
-        x = jnp.where(x < kth, NEG, x)
-    if sampling.top_p < 1.0:
-        srt = jnp.sort(x, axis=-1)[..., ::-1]
-        cum = jnp.cumsum(jax.nn.softmax(srt, axis=-1), axis=-1)
-        # The kept set is every token up to and including the first that reaches top_p.
-        n_keep = jnp.sum(cum - jax.nn.softmax(srt, axis=-1) < sampling.top_p, axis=-1,
-                         keepdims=True)
-        thresh = jnp.take_along_axis(srt, jnp.maximum(n_keep - 1, 0), axis=-1)
-        x = jnp.where(x < thresh, NEG, x)
-    return x
+    x = _top_k(x, sampling.top_k, rows.top_k)
+    return _top_p(x, sampling.top_p if rows.top_p is None else rows.top_p)
 
 
 def argmax(x: jax.Array) -> jax.Array:

@@ -19,7 +19,7 @@ from jspec.models.blocks import rms_normalize
 from jspec.models.cache import KVCache
 from jspec.models.config import ModelConfig
 from jspec.models.llama import Weights, forward, lm_logits
-from jspec.sampling import Sampling, sample_with_logprobs
+from jspec.sampling import Sampling, SamplingParams, sample_with_logprobs
 
 INVALID = -1  # the padding value of output token buffers
 
@@ -102,6 +102,14 @@ class SpecState:
     stats: Stats
     drafter: Any = None  # drafter state pytree (None for autoregressive decoding)
     verifier: Any = None  # verifier state pytree (e.g. ASD's regret budget)
+    # Per-row traced temperature / top-k / top-p (f32[B] / i32[B] fields; None: the static
+    # Sampling's values). Rounds read them through `Sampling.with_rows`.
+    sampling: SamplingParams | None = None
+    # generate(features=): per position of `seq`, the target's RMS-normalised feature-layer
+    # hidden states f32[B, C, F, D] and final-normed hidden state f32[B, C, D] of the token
+    # there, written when it is fed to the target (0 until then: a row's last token never is).
+    features: jax.Array | None = None
+    final: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -118,6 +126,16 @@ class GenerateOutput:
     logprobs: jax.Array
     stats: Stats
     verifier: Any = None  # the verifier's final state (e.g. ASD's remaining budget)
+    # generate(features=...) only (else None): a drafter's training batch from the rollout.
+    # sequence i32[B, W] prompt then new tokens per row (right-padded; row b's real length is
+    # its prompt length + lengths[b]; W = prompt bucket + max_new_tokens), features f32[B, W,
+    # F, D] the target's RMS-normalised hidden states at the F layers and final_hidden f32[B,
+    # W, D] its final-normed one, at each token of `sequence` as the target was fed it (a
+    # row's last token never is: 0 there and past the row's end), the layout train/featurize
+    # writes.
+    sequence: Any = None
+    features: Any = None
+    final_hidden: Any = None
 
 
 def is_eos(tok: jax.Array, eos_ids: tuple[int, ...] | jax.Array) -> jax.Array:
@@ -134,13 +152,18 @@ def prefill(config: ModelConfig, weights: Weights, prompt_ids: jax.Array,
             prompt_lengths: jax.Array, key: jax.Array, *, sampling: Sampling,
             max_new_tokens: int, capacity: int, eos_ids: tuple[int, ...], draft_k: int = 0,
             feature_layers: tuple[int, ...] = (), limit: jax.Array | None = None,
-            stop: jax.Array | None = None) -> tuple[SpecState, Any]:
+            stop: jax.Array | None = None, sampling_params: SamplingParams | None = None,
+            keep_features: bool = False) -> tuple[SpecState, Any]:
     """Run the prompt through the target and sample the first new token.
 
     Args:
       prompt_ids: i32[B, P] right-padded prompts. prompt_lengths: i32[B], 1 <= len <= P.
       limit: i32[] or i32[B] new tokens per row, clipped to [1, max_new_tokens] (None: all).
       stop: i32[S] stop ids, dynamic (None: `eos_ids`, which the state then carries).
+      sampling_params: per-row traced sampling values (`jspec.SamplingParams`), carried in
+        the state (None: the static `sampling`'s).
+      keep_features: allocate `SpecState.features` / `final` and write the prompt's
+        (`feature_layers` are then the layers kept).
     Returns:
       (state, forward output of the prompt) — the latter lets drafters read target features.
     """
@@ -154,7 +177,7 @@ def prefill(config: ModelConfig, weights: Weights, prompt_ids: jax.Array,
         last_h = jnp.take_along_axis(out.final_hidden, (prompt_lengths - 1)[:, None, None], axis=1)
         logits = lm_logits(config, weights, last_h[:, 0])  # [B, V]
     key, sub = jax.random.split(key)
-    first, first_lp = sample_with_logprobs(sub, logits, sampling)
+    first, first_lp = sample_with_logprobs(sub, logits, sampling.with_rows(sampling_params))
     tokens = jnp.full((b, max_new_tokens), INVALID, jnp.int32).at[:, 0].set(first)
     logprobs = jnp.zeros((b, max_new_tokens), jnp.float32).at[:, 0].set(first_lp)
     lim = (jnp.full((b,), max_new_tokens, jnp.int32) if limit is None else
@@ -167,14 +190,22 @@ def prefill(config: ModelConfig, weights: Weights, prompt_ids: jax.Array,
     state = SpecState(cache=out.cache.with_lengths(prompt_lengths), seq=seq, tokens=tokens,
                       logprobs=logprobs, num_new=jnp.ones((b,), jnp.int32), limit=lim, stop=stop,
                       last=first,
-                      done=done, key=key, stats=Stats.zeros(b, draft_k))
+                      done=done, key=key, stats=Stats.zeros(b, draft_k), sampling=sampling_params)
+    if keep_features:
+        real = (jnp.arange(p)[None, :] < prompt_lengths[:, None]).astype(jnp.float32)
+        f = features(out.hidden) * real[..., None, None]  # [B, P, F, D]
+        fin = out.final_hidden.astype(jnp.float32) * real[..., None]
+        state = dataclasses.replace(
+            state, features=jnp.zeros((b, capacity, *f.shape[2:]), jnp.float32).at[:, :p].set(f),
+            final=jnp.zeros((b, capacity, fin.shape[-1]), jnp.float32).at[:, :p].set(fin))
     return state, out
 
 
 def commit(state: SpecState, emitted: jax.Array, n_emit: jax.Array,
            eos_ids: tuple[int, ...] | jax.Array,
            cache: KVCache, n_accepted: jax.Array, n_drafted: int | jax.Array,
-           oracle: jax.Array | None = None, logprobs: jax.Array | None = None) -> SpecState:
+           oracle: jax.Array | None = None, logprobs: jax.Array | None = None,
+           feats: jax.Array | None = None, final: jax.Array | None = None) -> SpecState:
     """Append up to `n_emit` tokens per live row, stop rows at EOS / their `limit`.
 
     Args:
@@ -186,6 +217,9 @@ def commit(state: SpecState, emitted: jax.Array, n_emit: jax.Array,
       n_drafted: i32[B] (or an int) proposed tokens put up for verification this round.
       oracle: i32[B] or None: LibraSpec's oracle length this round (statistics).
       logprobs: f32[B, M] or None: log p of each emitted token, stored beside it (None: 0).
+      feats, final: f32[B, M', F, D] / f32[B, M', D] or None: the target's features of the
+        tokens this round fed it (`last`, then the accepted drafts), stored at their `seq`
+        positions where the state keeps features (the first `count` of them).
     """
     b, m = emitted.shape
     n_max = state.tokens.shape[1]
@@ -219,9 +253,16 @@ def commit(state: SpecState, emitted: jax.Array, n_emit: jax.Array,
     if oracle is not None:
         stats.oracle = stats.oracle + jnp.where(live, oracle, 0)
         stats.oracle_gap = stats.oracle_gap + jnp.where(live, jnp.abs(n_drafted - oracle), 0)
+    fs, fin = state.features, state.final
+    if fs is not None and feats is not None:
+        jf = jnp.arange(feats.shape[1], dtype=jnp.int32)[None, :]
+        f_slot = jnp.where(jf < count[:, None], state.cache.lengths[:, None] + jf, fs.shape[1])
+        fs = fs.at[rows, f_slot].set(feats.astype(fs.dtype), mode="drop")
+        fin = fin.at[rows, f_slot].set(final.astype(fin.dtype), mode="drop")
     return dataclasses.replace(
         state, cache=cache.with_lengths(state.cache.lengths + count), seq=seq, tokens=tokens,
-        logprobs=lp, num_new=num_new, last=jnp.where(count > 0, new_last, state.last), done=done, stats=stats)
+        logprobs=lp, num_new=num_new, last=jnp.where(count > 0, new_last, state.last), done=done,
+        stats=stats, features=fs, final=fin)
 
 
 def features(hidden: jax.Array, norm: str = "rms") -> jax.Array:

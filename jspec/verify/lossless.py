@@ -75,9 +75,10 @@ class Lossless(Verifier):
 
 def fused_acceptance_supports(sampling: Sampling) -> bool:
     """Whether the fused kernel covers this sampling mode: greedy, or temperature only with a
-    temperature of at least the kernel's MIN_TEMPERATURE."""
+    static temperature (the kernel's is a compile-time constant; per-row traced values take
+    the xla path) of at least the kernel's MIN_TEMPERATURE."""
 
-    return (sampling.top_k == 0 and sampling.top_p == 1.0
+    return (sampling.rows is None and sampling.top_k == 0 and sampling.top_p == 1.0
             and (sampling.greedy or sampling.temperature >= MIN_TEMPERATURE))
 
 
