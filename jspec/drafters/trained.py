@@ -7,10 +7,9 @@ start of its next `propose`. Both share the target's embedding, and their LM hea
 (tied) head restricted to a draft vocabulary of the most frequent response tokens (`vocab_ids`):
 a draft distribution q is zero outside it, which keeps verification lossless.
 
-Parameters are registered dataclasses (`Eagle3Params`, `DFlashParams`) whose layers are the
-target's `LayerWeights` and whose fields declare their logical sharding axes; files are
-safetensors of the flat names (`to_flat`: "fc", "wq", "l0.wq", ...) with the config and the
-draft vocabulary inside.
+Parameters are registered dataclasses (`jspec.drafters.params`: `Eagle3Params`, `DFlashParams`,
+re-exported here); files are safetensors of their flat names (`to_flat`: "fc", "wq", "l0.wq",
+...) with the config and the draft vocabulary inside (`save_drafter`, `load_drafter_file`).
 """
 
 from __future__ import annotations
@@ -27,6 +26,19 @@ import numpy as np
 
 from jspec import safetensors_io
 from jspec.drafters.base import Capabilities, ChainDrafter, DraftContext, Proposal
+from jspec.drafters.params import (  # noqa: F401 (re-exported: the names files and tests use)
+    FROZEN,
+    MATRICES,
+    PARAMS,
+    DFlashParams,
+    Eagle3Params,
+    Params,
+    cast_matrices,
+    from_flat,
+    split_frozen,
+    to_flat,
+    with_stats,
+)
 from jspec.errors import JspecError
 from jspec.models.blocks import Heads, LayerWeights, dense, matmul, rms_norm, rope_angles
 from jspec.models.config import ModelConfig
@@ -104,111 +116,6 @@ class DrafterConfig:
             return ModelConfig(head_dim=hd, rope_theta=self.rope_theta,
                                rope_scaling=self.rope_scaling).inv_freq()
         return 1.0 / (self.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
-
-
-FROZEN = ("feat_mean", "feat_std")  # parameters set from data statistics, not trained
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Eagle3Params:
-    """EAGLE-3: fc over the F fused features, input norms, one decoder layer, head norm, VAT
-    head. Flat names: the fields, the layer's without a prefix ("wq")."""
-
-    fc: jax.Array = logical(None, "embed")  # [F*D, D]
-    norm_emb: jax.Array = logical(None)  # f32[D]
-    norm_feat: jax.Array = logical(None)  # f32[D]
-    final_norm: jax.Array = logical(None)  # f32[D]
-    vh_w: jax.Array = logical(None)  # f32[D] verification head (VAT)
-    vh_b: jax.Array = logical(None)  # f32[1]
-    layer: LayerWeights = dataclasses.field(metadata={"flat": ""})  # q/k/v read 2D: [emb; g]
-    feat_mean: jax.Array | None = logical(None, "embed", default=None)  # f32[F, D] (FROZEN)
-    feat_std: jax.Array | None = logical(None, "embed", default=None)  # f32[F, D]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class DFlashParams:
-    """DFlash (and each D²SD drafter): fc + norm over the features, MASK / slot embeddings,
-    decoder layers, head norm, VAT head. Flat names: the fields, layer i's as "l{i}.wq"."""
-
-    fc: jax.Array = logical(None, "embed")  # [F*D, D]
-    fc_norm: jax.Array = logical(None)  # f32[D]
-    final_norm: jax.Array = logical(None)  # f32[D]
-    vh_w: jax.Array = logical(None)  # f32[D]
-    vh_b: jax.Array = logical(None)  # f32[1]
-    layers: tuple[LayerWeights, ...] = dataclasses.field(metadata={"flat": "l{i}."})
-    # jspec's block inputs (block_input="jspec"); None for the release's token inputs.
-    mask_emb: jax.Array | None = logical(None, default=None)  # f32[D]
-    slot_emb: jax.Array | None = logical(None, None, default=None)  # f32[γ, D]
-    feat_mean: jax.Array | None = logical(None, "embed", default=None)  # f32[F, D] (FROZEN)
-    feat_std: jax.Array | None = logical(None, "embed", default=None)  # f32[F, D]
-
-
-Params = Eagle3Params | DFlashParams
-PARAMS: dict[str, type] = {"eagle3": Eagle3Params, "dflash": DFlashParams, "d2sd": DFlashParams}
-_LAYER_REQUIRED = ("wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
-
-
-def to_flat(p: Params) -> dict[str, jax.Array]:
-    """The flat names of `p`'s arrays (files, interop): fields, layers by their prefix."""
-    out: dict[str, jax.Array] = {}
-    for f in dataclasses.fields(p):
-        val = getattr(p, f.name)
-        if "flat" in f.metadata:
-            lws = val if isinstance(val, tuple) else (val,)
-            for i, lw in enumerate(lws):
-                pre = f.metadata["flat"].format(i=i)
-                out.update({pre + g.name: getattr(lw, g.name) for g in dataclasses.fields(lw)
-                            if getattr(lw, g.name) is not None})
-        elif val is not None:
-            out[f.name] = val
-    return out
-
-
-def from_flat(kind: str, flat: dict[str, Any]) -> Params:
-    """`to_flat`'s inverse for a drafter of `kind`; clear errors for missing or unknown names."""
-    cls = PARAMS.get(kind)
-    if cls is None:
-        raise JspecError(f"unknown trained drafter kind {kind!r}; known: {sorted(PARAMS)}")
-    rest = dict(flat)
-
-    def one_layer(pre: str) -> LayerWeights:
-        miss = [n for n in _LAYER_REQUIRED if pre + n not in rest]
-        if miss:
-            raise JspecError(f"{kind} drafter parameters lack {[pre + n for n in miss]}")
-        return LayerWeights(**{g.name: rest.pop(pre + g.name, None)
-                               for g in dataclasses.fields(LayerWeights)})
-
-    kw: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if "flat" in f.metadata:
-            pat = f.metadata["flat"]
-            if "{i}" in pat:
-                n = 0
-                while pat.format(i=n) + "wq" in rest:
-                    n += 1
-                kw[f.name] = tuple(one_layer(pat.format(i=i)) for i in range(n))
-            else:
-                kw[f.name] = one_layer(pat)
-        elif f.name in rest:
-            kw[f.name] = rest.pop(f.name)
-        elif f.default is dataclasses.MISSING:
-            raise JspecError(f"{kind} drafter parameters lack {f.name!r}")
-    if rest:
-        raise JspecError(f"unknown {kind} drafter parameters: {sorted(rest)}")
-    return cls(**kw)
-
-
-def split_frozen(p: Params) -> tuple[Params, dict[str, jax.Array]]:
-    """(the trained parameters: FROZEN fields None, the FROZEN feature statistics)."""
-    return (dataclasses.replace(p, **dict.fromkeys(FROZEN)),
-            {k: getattr(p, k) for k in FROZEN})
-
-
-def with_stats(p: Params, stats: dict[str, jax.Array]) -> Params:
-    """`p` with the FROZEN feature statistics set (`split_frozen`'s inverse)."""
-    return dataclasses.replace(p, **stats)
 
 
 @jax.tree_util.register_dataclass
@@ -445,24 +352,6 @@ def load_drafter_file(path: str | Path) -> tuple[DrafterConfig, Params, np.ndarr
         return cfg, from_flat(cfg.kind, params), vocab
     except JspecError as e:
         raise JspecError(f"{path}: {e}") from e
-
-
-# The drafter parameters `dense` multiplies by (fields of the params and of their layers).
-MATRICES = frozenset({"fc", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"})
-
-
-def cast_matrices(p: Any, dtype: Any) -> Any:
-    """`p` (params or a layer) with its MATRICES fields in `dtype`, everything else as is."""
-    kw = {}
-    for f in dataclasses.fields(p):
-        val = getattr(p, f.name)
-        if f.name in MATRICES and val is not None:
-            kw[f.name] = val.astype(dtype)
-        elif isinstance(val, LayerWeights):
-            kw[f.name] = cast_matrices(val, dtype)
-        elif isinstance(val, tuple):
-            kw[f.name] = tuple(cast_matrices(lw, dtype) for lw in val)
-    return dataclasses.replace(p, **kw)
 
 
 def draft_head(vocab_ids: Any, target_weights: Any) -> jax.Array:
