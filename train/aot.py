@@ -22,6 +22,7 @@ from jspec import sharding
 from jspec.aot.chips import chip_of
 from jspec.aot.programs import drafter_config
 from jspec.aot.report import Compiled, Setup, compile_program, model_config, setup
+from jspec.drafters import kinds
 from jspec.drafters.trained import Frozen, split_frozen
 from train.batches import batch_sharding
 from train.recipes import RECIPES
@@ -41,7 +42,7 @@ def train_step_program(s: Setup, kind: str, rows: int = 8, seq: int = 2048,
     cfg = drafter_config(s.config, kind)
     mesh, d, v = s.mesh, s.config.hidden_size, s.config.vocab_size
     tx = optax.adamw(1e-4)
-    full = jax.eval_shape(lambda: RECIPES[kind].init_params(cfg, jax.random.key(0)))
+    full = jax.eval_shape(lambda: kinds.get(kind).init_params(cfg, jax.random.key(0)))
     params, stats = split_frozen(full)
     params = _abstract(params, sharding.params_sharding(params, mesh, head_dim=cfg.head_dim))
     opt = jax.eval_shape(tx.init, params)

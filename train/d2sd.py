@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jspec.drafters import d2sd
+from jspec.drafters import d2sd, kinds
 from jspec.drafters.loading import SHIPPED, drafter_file
 from jspec.drafters.trained import (
     DrafterConfig,
@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("error: need 0 < --beta <= 1 and --tau > 0")
     init_path, first_ref = resolve_init(args.init)
     cfg0, params0, vocab = load_drafter_file(init_path)
-    if cfg0.kind not in ("dflash", "d2sd"):
+    if cfg0.kind not in kinds.get("d2sd").starts_from:
         raise SystemExit(f"error: --init must be a DFlash drafter, got kind {cfg0.kind!r}")
     gamma = args.block or cfg0.block
     if not 2 <= gamma <= cfg0.block:

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import launch, sharding
+from jspec.drafters import kinds
 from jspec.drafters.loading import drafter_file
 from jspec.drafters.trained import (
     DrafterConfig,
@@ -202,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
                                jax.random.key(args.seed))
     else:
         stats = feature_stats(rows, feat_idx, args.seed)
-        params, _ = split_frozen(RECIPES[cfg.kind].init_params(cfg, jax.random.key(args.seed)))
+        params, _ = split_frozen(kinds.get(cfg.kind).init_params(cfg, jax.random.key(args.seed)))
         # The LM head is the target's: start from a fifth of the target's final norm, so that
         # the first logits are near-uniform in the target's geometry (the target's full scale on
         # random hidden states starts at ~20 nats of cross-entropy instead of ~8).

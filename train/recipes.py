@@ -58,9 +58,9 @@ def _dflash_args(p: argparse.ArgumentParser) -> None:
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     """What differs between training the trained drafters; the loop, losses, data, eval and
-    checkpointing are one code path for all (`RECIPES[kind]`)."""
+    checkpointing are one code path for all (`RECIPES[kind]`; the kind's constructor,
+    parameters and initialiser: `jspec.drafters.kinds`)."""
 
-    init_params: Callable[[DrafterConfig, jax.Array], Params]
     hidden: Callable[..., tuple[jax.Array, jax.Array]]  # (cfg, p, embed, tokens, feats, pos)
     decay: Callable[[jax.Array], jax.Array]  # loss weight by 0-based draft index
     window: tuple[int, int]  # sample_positions' (lo, hi): where positions may sit
@@ -75,13 +75,13 @@ DEFAULT_DRAFT_VOCAB = 4096  # covers 87% of the corpus' response tokens (docs/BE
 
 RECIPES: dict[str, Recipe] = {
     # Chain starts s >= plen - 2 (step 1 predicts s + 2 >= plen); weights 0.8^k.
-    "eagle3": Recipe(eagle3.init_params, _eagle3_hidden, lambda k0: 0.8 ** k0, (-2, 3),
+    "eagle3": Recipe(_eagle3_hidden, lambda k0: 0.8 ** k0, (-2, 3),
                      "positions",
                      lambda a, rec: {"num_layers": 1, "feature_layers": eagle_layers(rec),
                                      "block": a.ttt_steps},
                      _eagle3_args, 1536),
     # Anchors a >= plen (the first generated token) with a + 1 < len; weights exp(-k/7).
-    "dflash": Recipe(dflash.init_params, _dflash_hidden, lambda k0: jnp.exp(-k0 / 7.0), (0, 2),
+    "dflash": Recipe(_dflash_hidden, lambda k0: jnp.exp(-k0 / 7.0), (0, 2),
                      "anchors",
                      lambda a, rec: {"num_layers": a.layers, "feature_layers": rec,
                                      "block": a.block},

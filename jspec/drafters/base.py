@@ -163,6 +163,44 @@ class Drafter(Protocol):
                 count: jax.Array) -> Any: ...
 
 
+@runtime_checkable
+class BlockDrafter(Drafter, Protocol):
+    """A drafter with `caps.block_tokens` > 0 (DFlash): LibraSpec (`jspec.length`) and
+    calibration draft further blocks with `extend`. Test for it with `is_block_drafter`."""
+
+    def extend(self, state: Any, ctx: DraftContext, anchor: jax.Array, offset: jax.Array | int,
+               sampling: Sampling, key: jax.Array
+               ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+        """(tokens i32[B, b], q f32[B, b, Vq] | None, confidences f32[B, b]) of one more
+        block anchored on the drafted token `anchor` i32[B] at `offset` after `last`."""
+        ...
+
+
+@runtime_checkable
+class TreeExpander(Drafter, Protocol):
+    """A chain drafter with `caps.expands` (EAGLE-3): `jspec.drafters.topk_tree` grows
+    EAGLE-2-style trees with `draft_tree`. Test for it with `is_tree_expander`."""
+
+    def draft_tree(self, state: Any, ctx: DraftContext, *, depth: int, k: int, width: int,
+                   n: int, sampling: Sampling | None = None, key: jax.Array | None = None
+                   ) -> tuple[jax.Array, jax.Array, jax.Array | None, Any]:
+        """(tokens i32[B, n], parents i32[B, n], q (the distributions children were drawn
+        from at T > 0, else None), state) of a `depth`-level tree, `width` nodes expanded a
+        level, `k` children each."""
+        ...
+
+
+def is_block_drafter(drafter: Any) -> bool:
+    """Whether `drafter` declares block drafting (`BlockDrafter.extend`): its
+    `caps.block_tokens` > 0. The declaration, not a probe for the method."""
+    return drafter.caps.block_tokens > 0
+
+
+def is_tree_expander(drafter: Any) -> bool:
+    """Whether `drafter` declares EAGLE-2-style tree growth (`TreeExpander.draft_tree`)."""
+    return drafter.caps.expands
+
+
 class ChainDrafter:
     """Base of chain drafters: `draft` from `propose`; no target features by default."""
 

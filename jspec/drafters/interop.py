@@ -64,13 +64,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.drafters import dflash, eagle3
+from jspec.drafters import kinds
 from jspec.drafters.ckpt_fields import (  # noqa: F401  (re-exported)
     DFLASH_ARCHS,
     EAGLE3_ARCHS,
@@ -374,6 +375,12 @@ def _defaults_and_extra(p: Flat, extra: dict[str, np.ndarray], nf: int, d: int,
     return out
 
 
+# Each community format's reader: (path, its config.json, the target's config) ->
+# (DrafterConfig, flat parameters, vocabulary, own embedding or None, own head or None).
+READERS: dict[str, Callable[..., tuple[Any, ...]]] = {"eagle3": _read_eagle3,
+                                                       "dflash": _read_dflash}
+
+
 def load_checkpoint(path: str | Path, target: Any = None, *, name: str | None = None,
                     cut: float = 0.0) -> Any:
     """A jspec `Eagle3` / `DFlash` drafter from a community (or exported) checkpoint directory.
@@ -401,8 +408,7 @@ def load_checkpoint(path: str | Path, target: Any = None, *, name: str | None = 
         if not named:
             raise JspecError(f"{path} does not name a target jspec can load: pass target=")
         target = load_model(named)
-    read = _read_eagle3 if kind == "eagle3" else _read_dflash
-    dcfg, params, vocab, embed, head = read(path, cfg, target.config)
+    dcfg, params, vocab, embed, head = READERS[kind](path, cfg, target.config)
     check_target(dcfg, target.config)
     if dcfg.feature_norm == "none" and max(dcfg.feature_layers) >= target.config.num_layers:
         raise JspecError(f"{cfg_path}: reads target layer {max(dcfg.feature_layers)} (HF "
@@ -410,8 +416,9 @@ def load_checkpoint(path: str | Path, target: Any = None, *, name: str | None = 
                          "norm, jspec's is not")
     if not 0.0 <= cut < 1.0:
         raise JspecError(f"cut must be in [0, 1), got {cut}")
-    mod = eagle3 if kind == "eagle3" else dflash
-    d = mod.make(dcfg, from_flat(kind, params), vocab, target.weights, cut=cut, name=name or str(path))
+    entry = kinds.by_checkpoint(kind)
+    d = entry.make(dcfg, from_flat(entry.name, params), vocab, target.weights, cut=cut,
+                   name=name or str(path))
     repl: dict[str, Any] = {}
     if head is not None:
         repl.update(head=head, own_head=True)

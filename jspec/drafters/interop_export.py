@@ -5,7 +5,9 @@ layouts, with jspec's additions in a `jspec` config section and `jspec_extra.saf
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jspec.drafters import dflash, eagle3
+from jspec.drafters import kinds
 from jspec.drafters.st_io import EXTRA_FILE, FORMATS, WEIGHTS_FILE, write_safetensors
 from jspec.drafters.trained import DrafterConfig, check_target, draft_head, to_flat
 from jspec.errors import JspecError
@@ -37,6 +39,81 @@ def _vocab_tensors(vocab_ids: np.ndarray, v: int) -> dict[str, np.ndarray]:
     return {"d2t": ids - np.arange(len(ids), dtype=np.int64), "t2d": t2d}
 
 
+def _eagle3_layout(cfg: DrafterConfig, p: dict[str, Any], tc: Any, common: dict[str, Any],
+                   jsec: dict[str, Any], tensors: dict[str, np.ndarray]
+                   ) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The EAGLE-3 layout's tensors (into `tensors`) and config.json; the extra tensors' keys."""
+    d = cfg.hidden_size
+    tensors.update({
+        "midlayer.input_layernorm.weight": _np(p["norm_emb"]),
+        "midlayer.hidden_norm.weight": _np(p["norm_feat"]),
+        "midlayer.post_attention_layernorm.weight": _np(p["mlp_norm"]),
+        "midlayer.self_attn.q_proj.weight": _np(p["wq"], True),
+        "midlayer.self_attn.k_proj.weight": _np(p["wk"], True),
+        "midlayer.self_attn.v_proj.weight": _np(p["wv"], True),
+        "midlayer.self_attn.o_proj.weight": _np(p["wo"], True),
+        "midlayer.mlp.gate_proj.weight": _np(p["w_gate"], True),
+        "midlayer.mlp.up_proj.weight": _np(p["w_up"], True),
+        "midlayer.mlp.down_proj.weight": _np(p["w_down"], True)})
+    layers = list(cfg.feature_layers)
+    config = {"architectures": ["LlamaForCausalLMEagle3"], **common,
+              "mlp_bias": False, "norm_before_residual": cfg.norm_before_residual,
+              "target_hidden_size": d,
+              # vLLM reads the top-level ids as capture indices (jspec's numbering);
+              # SGLang / SpecForge read eagle_config's as 0-indexed layer outputs.
+              "eagle_aux_hidden_state_layer_ids": layers,
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in layers],
+                               "use_aux_hidden_state": True}}
+    jsec["block"] = cfg.block
+    return config, _STD_KEYS
+
+
+def _dflash_layout(cfg: DrafterConfig, p: dict[str, Any], tc: Any, common: dict[str, Any],
+                   jsec: dict[str, Any], tensors: dict[str, np.ndarray]
+                   ) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The DFlash layout's tensors (into `tensors`) and config.json; the extra tensors' keys."""
+    for i in range(cfg.num_layers):
+        pre = f"layers.{i}."
+        tensors.update({
+            pre + "input_layernorm.weight": _np(p[f"l{i}.attn_norm"]),
+            pre + "post_attention_layernorm.weight": _np(p[f"l{i}.mlp_norm"]),
+            pre + "self_attn.q_proj.weight": _np(p[f"l{i}.wq"], True),
+            pre + "self_attn.k_proj.weight": _np(p[f"l{i}.wk"], True),
+            pre + "self_attn.v_proj.weight": _np(p[f"l{i}.wv"], True),
+            pre + "self_attn.o_proj.weight": _np(p[f"l{i}.wo"], True),
+            pre + "mlp.gate_proj.weight": _np(p[f"l{i}.w_gate"], True),
+            pre + "mlp.up_proj.weight": _np(p[f"l{i}.w_up"], True),
+            pre + "mlp.down_proj.weight": _np(p[f"l{i}.w_down"], True)})
+        if cfg.qk_norm:
+            tensors[pre + "self_attn.q_norm.weight"] = _np(p[f"l{i}.q_norm"])
+            tensors[pre + "self_attn.k_norm.weight"] = _np(p[f"l{i}.k_norm"])
+    tensors["hidden_norm.weight"] = _np(p["fc_norm"])
+    if min(cfg.feature_layers) < 1:
+        raise JspecError("the DFlash layout cannot name the embeddings (feature layer 0)")
+    config = {"architectures": ["DFlashDraftModel"], **common,
+              "num_target_layers": tc.num_layers, "block_size": cfg.block,
+              "layer_types": ["full_attention"] * cfg.num_layers,
+              "dflash_config": {"block_size": cfg.block,
+                                "mask_token_id": (cfg.mask_token_id
+                                                  if cfg.block_input == "tokens" else None),
+                                "target_layer_ids": [i - 1 for i in cfg.feature_layers]}}
+    jsec.update(qk_norm=cfg.qk_norm, block_input=cfg.block_input)
+    return config, (*_STD_KEYS, "mask_emb", "slot_emb")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    model_type: str  # config.json's model_type
+    full_head: bool  # as released it reads the target's full LM head: none written when it is that
+    write: Callable[..., tuple[dict[str, Any], tuple[str, ...]]]  # `_eagle3_layout`'s signature
+
+
+_STD_KEYS = ("feat_mean", "feat_std", "vh_w", "vh_b")
+# Each community format's writer (its reader: `interop.READERS`).
+LAYOUTS = {"eagle3": _Layout("llama", False, _eagle3_layout),
+           "dflash": _Layout("qwen3", True, _dflash_layout)}
+
+
 def export_drafter(drafter: Any, out: str | Path, fmt: str, *, target: Any,
                    dtype: str = "float32") -> dict[str, Any]:
     """Write `drafter` (a jspec Eagle3 / DFlash) as an EAGLE-3 or DFlash checkpoint directory.
@@ -52,7 +129,7 @@ def export_drafter(drafter: Any, out: str | Path, fmt: str, *, target: Any,
     """
     if fmt not in FORMATS:
         raise JspecError(f"unknown export format {fmt!r} (one of {FORMATS})")
-    want = {"eagle3": eagle3.Eagle3, "dflash": dflash.DFlash}[fmt]
+    want, layout = kinds.by_checkpoint(fmt).drafter, LAYOUTS[fmt]
     if not isinstance(drafter, want):
         raise JspecError(f"--format {fmt} needs a {want.__name__} drafter, got "
                          f"{type(drafter).__name__}")
@@ -66,7 +143,7 @@ def export_drafter(drafter: Any, out: str | Path, fmt: str, *, target: Any,
                                       "norm.weight": _np(p["final_norm"])}
     vocab = np.asarray(drafter.vocab_ids)
     # DFlash as released reads the target's full LM head: write a head only when it is not that.
-    full_target_head = (fmt == "dflash" and cfg.draft_vocab == v
+    full_target_head = (layout.full_head and cfg.draft_vocab == v
                         and np.array_equal(vocab, np.arange(v))
                         and np.array_equal(_np(drafter.head),
                                            _np(draft_head(vocab, target.weights))))
@@ -76,7 +153,7 @@ def export_drafter(drafter: Any, out: str | Path, fmt: str, *, target: Any,
     if not np.array_equal(np.asarray(drafter.embed, np.float32),
                           np.asarray(target.weights.embed, np.float32)):
         tensors["embed_tokens.weight"] = _np(drafter.embed)
-    common = {"model_type": "llama" if fmt == "eagle3" else "qwen3",
+    common = {"model_type": layout.model_type,
               "hidden_size": d, "intermediate_size": cfg.ffn_size,
               "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
               "head_dim": cfg.head_dim, "num_hidden_layers": cfg.num_layers,
@@ -89,58 +166,7 @@ def export_drafter(drafter: Any, out: str | Path, fmt: str, *, target: Any,
                             "vat": cfg.vat,
                             **({} if cfg.q_temperature == 1.0 else
                                {"q_temperature": cfg.q_temperature})}
-    std_keys = ("feat_mean", "feat_std", "vh_w", "vh_b")
-    if fmt == "eagle3":
-        tensors.update({
-            "midlayer.input_layernorm.weight": _np(p["norm_emb"]),
-            "midlayer.hidden_norm.weight": _np(p["norm_feat"]),
-            "midlayer.post_attention_layernorm.weight": _np(p["mlp_norm"]),
-            "midlayer.self_attn.q_proj.weight": _np(p["wq"], True),
-            "midlayer.self_attn.k_proj.weight": _np(p["wk"], True),
-            "midlayer.self_attn.v_proj.weight": _np(p["wv"], True),
-            "midlayer.self_attn.o_proj.weight": _np(p["wo"], True),
-            "midlayer.mlp.gate_proj.weight": _np(p["w_gate"], True),
-            "midlayer.mlp.up_proj.weight": _np(p["w_up"], True),
-            "midlayer.mlp.down_proj.weight": _np(p["w_down"], True)})
-        layers = list(cfg.feature_layers)
-        config = {"architectures": ["LlamaForCausalLMEagle3"], **common,
-                  "mlp_bias": False, "norm_before_residual": cfg.norm_before_residual,
-                  "target_hidden_size": d,
-                  # vLLM reads the top-level ids as capture indices (jspec's numbering);
-                  # SGLang / SpecForge read eagle_config's as 0-indexed layer outputs.
-                  "eagle_aux_hidden_state_layer_ids": layers,
-                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in layers],
-                                   "use_aux_hidden_state": True}}
-        jsec["block"] = cfg.block
-        extra_keys = std_keys
-    else:
-        for i in range(cfg.num_layers):
-            pre = f"layers.{i}."
-            tensors.update({
-                pre + "input_layernorm.weight": _np(p[f"l{i}.attn_norm"]),
-                pre + "post_attention_layernorm.weight": _np(p[f"l{i}.mlp_norm"]),
-                pre + "self_attn.q_proj.weight": _np(p[f"l{i}.wq"], True),
-                pre + "self_attn.k_proj.weight": _np(p[f"l{i}.wk"], True),
-                pre + "self_attn.v_proj.weight": _np(p[f"l{i}.wv"], True),
-                pre + "self_attn.o_proj.weight": _np(p[f"l{i}.wo"], True),
-                pre + "mlp.gate_proj.weight": _np(p[f"l{i}.w_gate"], True),
-                pre + "mlp.up_proj.weight": _np(p[f"l{i}.w_up"], True),
-                pre + "mlp.down_proj.weight": _np(p[f"l{i}.w_down"], True)})
-            if cfg.qk_norm:
-                tensors[pre + "self_attn.q_norm.weight"] = _np(p[f"l{i}.q_norm"])
-                tensors[pre + "self_attn.k_norm.weight"] = _np(p[f"l{i}.k_norm"])
-        tensors["hidden_norm.weight"] = _np(p["fc_norm"])
-        if min(cfg.feature_layers) < 1:
-            raise JspecError("the DFlash layout cannot name the embeddings (feature layer 0)")
-        config = {"architectures": ["DFlashDraftModel"], **common,
-                  "num_target_layers": tc.num_layers, "block_size": cfg.block,
-                  "layer_types": ["full_attention"] * cfg.num_layers,
-                  "dflash_config": {"block_size": cfg.block,
-                                    "mask_token_id": (cfg.mask_token_id
-                                                      if cfg.block_input == "tokens" else None),
-                                    "target_layer_ids": [i - 1 for i in cfg.feature_layers]}}
-        jsec.update(qk_norm=cfg.qk_norm, block_input=cfg.block_input)
-        extra_keys = (*std_keys, "mask_emb", "slot_emb")
+    config, extra_keys = layout.write(cfg, p, tc, common, jsec, tensors)
     extra = {k: _np(p[k]) for k in extra_keys if k in p}
     if cfg.feature_norm == "none":  # an imported checkpoint: drop jspec's identity defaults
         extra = {k: a for k, a in extra.items() if not _is_default(k, a)}

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 
 from jspec import defaults, safetensors_io
-from jspec.drafters import d2sd, dflash, eagle3, interop, ngram, topk_tree
+from jspec.drafters import d2sd, interop, kinds, ngram, topk_tree
 from jspec.drafters.draft_model import DraftModel
 from jspec.drafters.ngram import NGram
 from jspec.drafters.trained import check_target, load_drafter_file
@@ -60,18 +60,16 @@ def _trained(path: Path, target: Any, cut: float | None, name: str,
             raise JspecError(f"{path} does not name its target: pass target=")
         target = load_model(cfg.target)
     check_target(cfg, target.config)
-    if cfg.kind == "d2sd":
+    kind = kinds.get(cfg.kind)
+    if kind.first_drafter:
         return _d2sd(path, cfg, params, vocab, target, cut, name, tree_opts or {})
     if tree_opts:
         raise JspecError(f"{sorted(tree_opts)}: only D2SD drafters take tree options")
-    mod = {"eagle3": eagle3, "dflash": dflash}.get(cfg.kind)
-    if mod is None:
-        raise JspecError(f"{path}: unknown drafter kind {cfg.kind!r}")
     if cut is None:
         cut = 0.0
     if not 0.0 <= cut < 1.0:
         raise JspecError(f"cut must be in [0, 1), got {cut}")
-    return mod.make(cfg, params, vocab, target.weights, cut=cut, name=name)
+    return kind.make(cfg, params, vocab, target.weights, cut=cut, name=name)
 
 
 def _d2sd(path: Path, cfg: Any, params: Any, vocab: Any, target: Any, cut: float | None,
