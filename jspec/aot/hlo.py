@@ -7,7 +7,8 @@ reads from HBM (an 8B decode step on 8 v5e chips: 3.5x its weights). Here each t
 instruction of the entry computation counts only the bytes of its operands and outputs that
 live in HBM (memory space 0): the async copy reads a weight from HBM once, the fusion's read of
 the VMEM copy is free. A Mosaic kernel's own DMAs inside the call are not visible: its HBM
-operands count as read once.
+operands count as read once (jspec's attention kernel reads one layer of a stacked cache).
+A while loop (scanned layers) counts its body once per trip.
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ def _arrays(type_str: str) -> list[tuple[float, int]]:
         m = _SPACE.search(layout or "")
         out.append((n * size, int(m.group(1)) if m else 0))
     return out
+
+
+def _dims(type_str: str) -> list[int]:
+    """The dimensions of the (first) array of an HLO type."""
+    m = _ARRAY.search(type_str)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
 
 
 def _hbm(type_str: str) -> float:
@@ -82,40 +89,78 @@ def computations(hlo: str) -> tuple[dict[str, list[tuple[str, str, str, list[str
 _WINDOWED = {"dynamic-slice", "slice", "gather"}
 
 
-def _fusion_reads(comp: list[tuple[str, str, str, list[str], str]]) -> dict[int, float | None]:
-    """Per parameter index of a fused computation: the bytes read when every use of it is a
-    slice / dynamic-slice / gather (only those windows are read); None when read whole."""
+def _fusion_reads(comp: str, comps: dict[str, list[tuple[str, str, str, list[str], str]]]
+                  ) -> dict[int, float | None]:
+    """Per parameter index of fused computation `comp`: the bytes read when every use of it is
+    a slice / dynamic-slice / gather (only those windows are read), also through a nested
+    fusion that uses it so; None when read whole."""
+    body = comps.get(comp, [])
     params = {name: int(re.search(r"parameter\((\d+)\)", "parameter(" + rest).group(1))
-              for name, _, op, _, rest in comp if op == "parameter"}
-    users: dict[str, list[tuple[str, str]]] = {p: [] for p in params}
-    for _, typ, op, operands, _ in comp:
-        for o in operands:
-            if o in users:
-                users[o].append((op, typ))
-    out: dict[int, float | None] = {}
-    for p, idx in params.items():
-        us = users[p]
-        if us and all(op in _WINDOWED for op, _ in us):
-            out[idx] = float(sum(sum(b for b, _ in _arrays(typ)) for _, typ in us))
-        else:
-            out[idx] = None
-    return out
+              for name, _, op, _, rest in body if op == "parameter"}
+    users: dict[str, list[float | None]] = {p: [] for p in params}
+    for _, typ, op, operands, rest in body:
+        nested = re.search(r"calls=%([\w.\-]+)", rest) if op == "fusion" else None
+        inner = _fusion_reads(nested.group(1), comps) if nested else {}
+        for pos, o in enumerate(operands):
+            if o not in users:
+                continue
+            if op in _WINDOWED:
+                users[o].append(float(sum(b for b, _ in _arrays(typ))))
+            else:
+                users[o].append(inner.get(pos))
+    return {idx: (sum(us) if us and all(u is not None for u in us) else None)  # type: ignore[misc]
+            for p, idx in params.items() for us in [users[p]]}
 
 
 def hbm_traffic(hlo: str) -> dict[str, float]:
-    """Modelled HBM bytes read and written by one run of the ENTRY computation (straight-line
-    programs: a decode step, a verify forward), and the compiler's summed `estimated_cycles`.
-    A fusion whose root is a scatter or dynamic-update-slice updates its first operand in
-    place: only its other operands are read, and as much is written. A fusion operand used only
-    through slices / dynamic-slices / gathers inside the fusion counts as those windows."""
+    """Modelled HBM bytes read and written by one run of the ENTRY computation, and the
+    compiler's summed `estimated_cycles` (NaN for a program with a data-dependent loop). A
+    while loop (scanned layers) counts its body once
+    per trip (the trip count read from its condition's bound); its own operands and results
+    move nothing. A fusion whose root is a scatter or dynamic-update-slice updates its first
+    operand in place: only its other operands are read, and as much is written. A fusion
+    operand used only through slices / dynamic-slices / gathers inside the fusion counts as
+    those windows."""
     comps, roots = computations(hlo)
-    types: dict[str, str] = {}
+    types = {ins[0]: ins[1] for body in comps.values() for ins in body}
+    try:
+        read, written, cycles = _traffic("ENTRY", comps, roots, types)
+    except UnknownTripCount:  # a data-dependent loop (a whole `generate`): no per-run bytes
+        read = written = cycles = math.nan
+    return {"hbm_read_bytes": read, "hbm_written_bytes": written,
+            "hbm_bytes": read + written, "estimated_cycles": cycles}
+
+
+class UnknownTripCount(ValueError):
+    """A while loop whose bound is not a constant."""
+
+
+def trip_count(cond: list[tuple[str, str, str, list[str], str]]) -> int:
+    """The trip count of a while loop from its condition computation: the bound of its
+    `counter < N` compare (jax's scan and fori_loop count from 0)."""
+    consts = [int(m.group(1)) for _, typ, op, _, rest in cond
+              if op == "constant" and typ.startswith("s32[]")
+              for m in [re.search(r"^\s*(-?\d+)\)", rest)] if m]
+    if not consts:
+        raise UnknownTripCount("while loop without a constant bound: trip count unknown")
+    return max(consts)
+
+
+def _traffic(comp: str, comps: dict[str, list[tuple[str, str, str, list[str], str]]],
+             roots: dict[str, str], types: dict[str, str]) -> tuple[float, float, float]:
+    """(bytes read, bytes written, estimated cycles) of one run of computation `comp`."""
     read = written = cycles = 0.0
-    for name, typ, op, operands, rest in comps.get("ENTRY", []):
-        types[name] = typ
+    for name, typ, op, operands, rest in comps.get(comp, []):
         c = re.search(r'"estimated_cycles":"(\d+)"', rest)
         cycles += int(c.group(1)) if c else 0
         if op in _FREE:
+            continue
+        if op == "while":
+            body = re.search(r"body=%([\w.\-]+)", rest).group(1)
+            cond = re.search(r"condition=%([\w.\-]+)", rest).group(1)
+            n = trip_count(comps.get(cond, []))
+            r, w, cy = _traffic(body, comps, roots, types)
+            read, written, cycles = read + n * r, written + n * w, cycles + n * cy
             continue
         if op.endswith("-done"):  # the result of an async copy: written where it lands
             written += _hbm(typ)
@@ -133,11 +178,16 @@ def hbm_traffic(hlo: str) -> dict[str, float]:
             continue
         called = re.search(r"calls=%([\w.\-]+)", rest)
         body = comps.get(called.group(1), []) if called else []
-        windows = _fusion_reads(body) if op == "fusion" else {}
+        windows = _fusion_reads(called.group(1), comps) if op == "fusion" else {}
         per_operand = []
         for i, o in enumerate(operands):
             full = _hbm(types.get(o, ""))
             w = windows.get(i)
+            if op == "custom-call" and name.startswith("tree_attention"):
+                # jspec's attention kernel given a stacked cache [L, B, KV, S, hd] reads the
+                # tiles of one layer (its index maps), at most 1/L of the stack.
+                dims = _dims(types.get(o, ""))
+                w = full / dims[0] if len(dims) == 5 else None
             per_operand.append(min(full, w) if (w is not None and full) else full)
         if op == "scatter" or (called and roots.get(called.group(1)) in ("scatter",
                                                                         "dynamic-update-slice")):
@@ -150,5 +200,4 @@ def hbm_traffic(hlo: str) -> dict[str, float]:
         read += sum(per_operand)
         if not op.endswith("-start"):
             written += _hbm(typ)
-    return {"hbm_read_bytes": read, "hbm_written_bytes": written,
-            "hbm_bytes": read + written, "estimated_cycles": cycles}
+    return read, written, cycles

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec import sharding
+from jspec import platforms, sharding
 from jspec.aot.chips import Chip, chip_of, tpu_mesh
 from jspec.aot.hlo import hbm_traffic
 from jspec.errors import JspecError
@@ -151,16 +151,18 @@ def kv_heads_for(config: ModelConfig, model_axis: int) -> ModelConfig:
 
 
 def setup(config: ModelConfig, topology: str, batch: int, context: int,
-          model_parallel: int | None = None) -> Setup:
+          model_parallel: int | None = None, scan_layers: bool = True) -> Setup:
     """Abstract weights (`jax.eval_shape(init_weights)`) and an abstract KV cache of `context`
     slots, laid out on the slice by `jspec.sharding.RULES` (heads / MLP / vocabulary over the
     `model` axis, rows over `data`); KV heads repeated where the `model` axis is wider than
-    them (`kv_heads_for`)."""
+    them (`kv_heads_for`). `scan_layers`: the layers stacked and scanned (jspec's layout for
+    TPU, `ModelConfig.scan_layers`) or unrolled over per-layer buffers."""
     mesh = tpu_mesh(topology, model_parallel)
-    config = kv_heads_for(config, dict(mesh.shape)["model"])
+    config = kv_heads_for(config, dict(mesh.shape)["model"]).replace(scan_layers=scan_layers)
     w = jax.eval_shape(functools.partial(init_weights, config), jax.random.key(0))
     w = _abstract(w, sharding.params_sharding(w, mesh, head_dim=config.head_dim))
-    cache = jax.eval_shape(lambda: KVCache.create(config, batch, context))
+    with platforms.compiling_for("tpu"):  # the cache's storage dtype is the TPU's
+        cache = jax.eval_shape(lambda: KVCache.create(config, batch, context))
     cache = _abstract(cache, sharding.state_sharding(cache, mesh, batch=batch))
     return Setup(config, mesh, batch, context, w, cache)
 
@@ -199,14 +201,14 @@ def largest_batch(s: Setup, chip: Chip, step: Compiled) -> int:
 def report(model: str, topology: str, batch: int = 1, context: int = 4096,
            nodes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), trees: bool = True,
            tau: float = 2.5, model_parallel: int | None = None, dtype: str = "bfloat16",
-           progress: Any = None) -> dict[str, Any]:
+           progress: Any = None, scan_layers: bool = True) -> dict[str, Any]:
     """Compile the decode step and the verify forwards of a model on a TPU slice; return the
     JSON-ready report (every time in it modelled, from `jspec.aot.chips.CHIPS`). The byte floor
     of a step: its weights (an untied embedding table only as gathered rows) and the live KV
     cache, each read once."""
     chip = chip_of(topology)
     cfg = model_config(model, dtype)
-    s = setup(cfg, topology, batch, context, model_parallel)
+    s = setup(cfg, topology, batch, context, model_parallel, scan_layers)
     filled = context - max(nodes) - 1
     floor = s.step_weight_bytes + s.live_kv_bytes(filled)
     rows: list[dict[str, Any]] = []
@@ -231,6 +233,7 @@ def report(model: str, topology: str, batch: int = 1, context: int = 4096,
         "model": model, "topology": topology, "chips": int(s.mesh.size),
         "mesh": dict(s.mesh.shape), "chip": dataclasses.asdict(chip), "batch": batch,
         "context": context, "dtype": dtype, "tau": tau,
+        "layers": "scanned" if scan_layers else "unrolled",
         "weights_bytes_per_chip": s.weight_bytes, "live_kv_bytes_per_chip": s.live_kv_bytes(filled),
         "byte_floor_per_chip": floor,
         "ar_bytes_over_floor": (base.hbm_bytes_read / floor) if base and base.ok else None,

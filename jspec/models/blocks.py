@@ -158,25 +158,26 @@ class LayerWeights:
     """One decoder layer's weights (the target's and a trained drafter's). Matrices are
     (in, out); each field declares its logical axes (`jspec.sharding.RULES`).
 
-    Each layer owns separate buffers (no stacked [L, ...] arrays): on XLA:CPU a matmul that reads
-    a slice of a stacked weight (what a layer `scan` does) copies it first and runs at about a
-    third of the memory bandwidth of one that reads its own buffer.
+    By default each layer owns separate buffers (no stacked [L, ...] arrays): on XLA:CPU a matmul
+    that reads a slice of a stacked weight (what a layer `scan` does) copies it first and runs at
+    about a third of the memory bandwidth of one that reads its own buffer. For TPU the target's
+    layers are one LayerWeights of stacks (`ModelConfig.scan_layers`).
     """
 
-    attn_norm: jax.Array | None = logical(None)  # f32[D]; None: the input is normed already
-    wq: jax.Array = logical("embed", "heads")  # dtype[Din, H*hd]
-    wk: jax.Array = logical("embed", "kv_heads")  # dtype[Din, KV*hd]
-    wv: jax.Array = logical("embed", "kv_heads")  # dtype[Din, KV*hd]
-    wo: jax.Array = logical("heads", "embed")  # dtype[H*hd, D]
-    mlp_norm: jax.Array = logical(None)  # f32[D]
-    w_gate: jax.Array = logical("embed", "mlp")  # dtype[D, F]
-    w_up: jax.Array = logical("embed", "mlp")  # dtype[D, F]
-    w_down: jax.Array = logical("mlp", "embed")  # dtype[F, D]
-    bq: jax.Array | None = logical("heads", default=None)  # dtype[H*hd] (Qwen2)
-    bk: jax.Array | None = logical("kv_heads", default=None)  # dtype[KV*hd]
-    bv: jax.Array | None = logical("kv_heads", default=None)  # dtype[KV*hd]
-    q_norm: jax.Array | None = logical(None, default=None)  # f32[hd] (Qwen3, DFlash release)
-    k_norm: jax.Array | None = logical(None, default=None)  # f32[hd]
+    attn_norm: jax.Array | None = logical(None, stackable=True)  # f32[D]; None: the input is normed already
+    wq: jax.Array = logical("embed", "heads", stackable=True)  # dtype[Din, H*hd]
+    wk: jax.Array = logical("embed", "kv_heads", stackable=True)  # dtype[Din, KV*hd]
+    wv: jax.Array = logical("embed", "kv_heads", stackable=True)  # dtype[Din, KV*hd]
+    wo: jax.Array = logical("heads", "embed", stackable=True)  # dtype[H*hd, D]
+    mlp_norm: jax.Array = logical(None, stackable=True)  # f32[D]
+    w_gate: jax.Array = logical("embed", "mlp", stackable=True)  # dtype[D, F]
+    w_up: jax.Array = logical("embed", "mlp", stackable=True)  # dtype[D, F]
+    w_down: jax.Array = logical("mlp", "embed", stackable=True)  # dtype[F, D]
+    bq: jax.Array | None = logical("heads", default=None, stackable=True)  # dtype[H*hd] (Qwen2)
+    bk: jax.Array | None = logical("kv_heads", default=None, stackable=True)  # dtype[KV*hd]
+    bv: jax.Array | None = logical("kv_heads", default=None, stackable=True)  # dtype[KV*hd]
+    q_norm: jax.Array | None = logical(None, default=None, stackable=True)  # f32[hd] (Qwen3, DFlash release)
+    k_norm: jax.Array | None = logical(None, default=None, stackable=True)  # f32[hd]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,20 +286,24 @@ class Attend:
 
 
 def attend(at: Attend, q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array,
-           cv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+           cv: jax.Array, layer_index: jax.Array | None = None
+           ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Write the new k, v [B, T, KV, hd] at slots lengths + t of the cache buffers ck, cv
     dtype[B, KV, S, hd] and attend to it: (attn q's dtype[B, T, H, hd], ck, cv). With
-    `at.new_mask` set, ck and cv come back unwritten."""
+    `at.new_mask` set, ck and cv come back unwritten. `layer_index` (i32 scalar, scanned
+    layers): ck, cv are stacks dtype[L, B, KV, S, hd] and this layer's buffers are
+    ck[layer_index], cv[layer_index], read and written in place."""
     if not at.pallas_on:
-        return _attend_xla(at, q, k, v, ck, cv)
+        return _attend_xla(at, q, k, v, ck, cv, layer_index)
     # The Pallas kernel or XLA attention, for the platform the program is compiled for.
     branch = {p: (functools.partial(_attend_pallas, at, p) if p in at.pallas_on
                   else functools.partial(_attend_xla, at)) for p in platforms.PLATFORMS}
-    return platforms.choose(q, k, v, ck, cv, **branch)
+    return platforms.choose(q, k, v, ck, cv, layer_index, **branch)
 
 
 def _attend_pallas(at: Attend, platform: str, q: jax.Array, k: jax.Array, v: jax.Array,
-                   ck: jax.Array, cv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   ck: jax.Array, cv: jax.Array, layer_index: jax.Array | None
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     # Cascade form: the committed prefix is read from the cache, the T new tokens from
     # k/v directly (the new K/V are written after). Under a mesh the kernel runs per
     # device (shard_map) with specs from the logical-axis rules table.
@@ -309,29 +314,37 @@ def _attend_pallas(at: Attend, platform: str, q: jax.Array, k: jax.Array, v: jax
     qa, kva = ("batch", None, "heads", None), ("batch", None, "kv_heads", None)
     cache_a = ("batch", "kv_heads", None, None)
     rk, rv = from_storage(ck, q.dtype), from_storage(cv, q.dtype)
-    attn = shard_kernel(functools.partial(tree_attention, platform=platform),
-                        (qa, cache_a, cache_a, ("batch",), kva, kva, ("batch", None)), qa)(
-        q, rk, rv, at.lengths, k.astype(rk.dtype), v.astype(rv.dtype), parents)
+    args = (q, rk, rv, at.lengths, k.astype(rk.dtype), v.astype(rv.dtype), parents)
+    axes = (qa, cache_a, cache_a, ("batch",), kva, kva, ("batch", None))
+    if layer_index is not None:  # the whole stack goes in; the kernel reads its layer's tiles
+        stack_a = (None, *cache_a)
+        args, axes = (*args, layer_index), (qa, stack_a, stack_a, *axes[3:], ())
+    attn = shard_kernel(functools.partial(tree_attention, platform=platform), axes, qa)(*args)
     if not at.writes:
         return attn, ck, cv
-    return attn, write_slots(ck, k, at.lengths), write_slots(cv, v, at.lengths)
+    return (attn, write_slots(ck, k, at.lengths, layer_index),
+            write_slots(cv, v, at.lengths, layer_index))
 
 
 def _attend_xla(at: Attend, q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array,
-                cv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    n = ck.shape[2] if at.slots is None else at.slots
+                cv: jax.Array, layer_index: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    n = ck.shape[-2] if at.slots is None else at.slots
+
+    def read(buf: jax.Array) -> jax.Array:  # this layer's first n slots, in q's dtype
+        if layer_index is not None:
+            buf = jax.lax.dynamic_index_in_dim(buf, layer_index, keepdims=False)
+        return from_storage(buf[:, :, :n], q.dtype)
+
     if not at.writes:
-        return attention(q, from_storage(ck[:, :, :n], q.dtype),
-                         from_storage(cv[:, :, :n], q.dtype), at.mask,
-                         new=(k, v, at.new_mask)), ck, cv
+        return attention(q, read(ck), read(cv), at.mask, new=(k, v, at.new_mask)), ck, cv
     # The new K/V are written first and attention reads the written buffer: reading the
     # unwritten one and writing it after, in the same layer, measured 1.3-1.4x slower at batch
     # 16-64 on XLA:CPU (a copy of every cache buffer per step). Unwritten (above) is for a
     # forward whose caller writes after the whole forward (a verify switch's branch).
-    ck = write_slots(ck, k, at.lengths)  # [B, KV, S, hd]
-    cv = write_slots(cv, v, at.lengths)
-    return attention(q, from_storage(ck[:, :, :n], q.dtype), from_storage(cv[:, :, :n], q.dtype),
-                     at.mask), ck, cv
+    ck = write_slots(ck, k, at.lengths, layer_index)  # [(L,) B, KV, S, hd]
+    cv = write_slots(cv, v, at.lengths, layer_index)
+    return attention(q, read(ck), read(cv), at.mask), ck, cv
 
 
 def mlp(lw: LayerWeights, x: jax.Array, eps: float) -> jax.Array:
@@ -345,19 +358,20 @@ def mlp(lw: LayerWeights, x: jax.Array, eps: float) -> jax.Array:
 
 def layer(hs: Heads, lw: LayerWeights, x: jax.Array, rot: tuple[jax.Array, jax.Array],
           at: Attend, ck: jax.Array, cv: jax.Array, *, y: jax.Array | None = None,
-          residual: jax.Array | None = None
+          residual: jax.Array | None = None, layer_index: jax.Array | None = None
           ) -> tuple[jax.Array, jax.Array, jax.Array, tuple[jax.Array, jax.Array]]:
     """One pre-norm decoder layer over a cache: (x', ck, cv, (k, v)).
 
     x: [B, T, D]; q/k/v read `y` (default RMSNorm(x) by `lw.attn_norm`); the attention output
     is added to `residual` (default x), then the MLP block. (k, v) [B, T, KV, hd] are the new
     tokens' keys and values (what `attend` wrote, or leaves to the caller: `Attend.new_mask`).
+    `layer_index`: ck, cv are stacks of every layer's buffers and this is the layer (`attend`).
     """
     b, t, _ = x.shape
     if y is None:
         y = rms_norm(x, lw.attn_norm, hs.eps)
     q, k, v = qkv(hs, lw, y, rot)
-    attn, ck, cv = attend(at, q, k, v, ck, cv)
+    attn, ck, cv = attend(at, q, k, v, ck, cv, layer_index)
     x = (x if residual is None else residual) + dense(
         attn.reshape(b, t, hs.num_heads * hs.head_dim), lw.wo).astype(x.dtype)
     return mlp(lw, x, hs.eps), ck, cv, (k, v)

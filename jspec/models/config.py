@@ -36,6 +36,12 @@ class ModelConfig:
       attention_impl: "xla" (masked attention over the whole cache buffer), "pallas" (the
         `pallas_kernels.tree_attention` kernel for verify/decode steps; interpret mode on CPU)
         or "auto" (pallas on TPU and GPU, xla on CPU; see `resolve_attention_impl`).
+      scan_layers: the weights hold all layers as one stack ([L, ...] per field) and the
+        forward is a `lax.scan` over them, the KV cache one [L, B, KV, S, hd] buffer; False:
+        one buffer per layer, the layers unrolled. Scanned is the layout for TPU (an 8B
+        `generate` compiles several times faster, docs/TPU.md); unrolled for CPU, where a
+        matmul that reads a slice of a stacked weight copies it first (`LayerWeights`).
+        `Model.with_scan_layers` converts a model.
     """
 
     arch: str = "llama"
@@ -57,6 +63,7 @@ class ModelConfig:
     eos_ids: tuple[int, ...] = ()
     dtype: str = "float32"
     attention_impl: str = "auto"
+    scan_layers: bool = False
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:

@@ -40,7 +40,9 @@ PALLAS_MAX_NEW_TOKENS = 128
 @dataclasses.dataclass
 class Weights:
     embed: jax.Array = logical("vocab", "embed")  # dtype[V, D]
-    layers: tuple[LayerWeights, ...]  # one entry per layer (each declares its own axes)
+    # one entry per layer (each declares its own axes), or for scanned layers
+    # (`ModelConfig.scan_layers`) one LayerWeights whose fields are stacks [L, ...]
+    layers: tuple[LayerWeights, ...] | LayerWeights
     final_norm: jax.Array = logical(None)  # f32[D]
     lm_head: jax.Array | None = logical("embed", "vocab", default=None)  # dtype[D, V]; None: tied
 
@@ -168,7 +170,11 @@ def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions:
     tgt = platforms.target()
     # XLA masks only where some platform this program may be lowered for attends with XLA.
     xla_somewhere = (tgt not in pallas_on) if tgt else len(pallas_on) < len(platforms.PLATFORMS)
-    if write_cache:
+    # Scanned layers read the stacked cache only and write every layer's new K/V after the
+    # loop: written inside it, XLA copied the whole stack in every layer (the kernel's read
+    # and the in-place write of one buffer in one iteration).
+    write_in_loop = write_cache and not config.scan_layers
+    if write_in_loop:
         att_mask = attention_mask(cache.lengths, t, slots or cache.capacity,
                                   mask) if xla_somewhere else None
         new_mask = None
@@ -190,27 +196,78 @@ def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions:
     for i in want:
         if not 0 <= i <= n_layers:
             raise ValueError(f"hidden layer {i} outside 0..{n_layers}")
-    if len(cache.k) < n_layers:
-        raise ValueError(f"cache has {len(cache.k)} layers, the forward runs {n_layers}")
+    stacked = not isinstance(weights.layers, tuple)
+    if stacked != config.scan_layers or cache.stacked != config.scan_layers:
+        raise ValueError(f"config.scan_layers={config.scan_layers} but the weights' layers are "
+                         f"{'stacked' if stacked else 'per-layer'} and the cache "
+                         f"{'stacked' if cache.stacked else 'per-layer'} (convert both with "
+                         "Model.with_scan_layers / KVCache.create from the same config)")
+    if cache.num_layers < n_layers:
+        raise ValueError(f"cache has {cache.num_layers} layers, the forward runs {n_layers}")
 
-    # A Python loop (unrolled at trace time) over per-layer buffers: see LayerWeights.
-    hs = heads(config)
+    run = _scan_layers if stacked else _unrolled_layers
+    x, ck, cv, hidden, new_kv = run(heads(config), weights.layers, n_layers, x, rot, at,
+                                    cache.k, cache.v, want)
+    cache = dataclasses.replace(cache, k=ck, v=cv)
+    if write_cache and not write_in_loop:
+        cache = cache.write(*new_kv)
+    h = rms_norm(x, weights.final_norm, config.rms_eps)
+    logits = lm_logits(config, weights, h) if compute_logits else None
+    return ForwardOutput(logits=logits, cache=cache, hidden=hidden, final_hidden=h,
+                         new_kv=None if write_cache else new_kv)
+
+
+def _unrolled_layers(hs: Heads, layers: tuple[LayerWeights, ...], n: int, x: jax.Array,
+                     rot: tuple[jax.Array, jax.Array], at: Attend, ck: tuple[jax.Array, ...],
+                     cv: tuple[jax.Array, ...], want: tuple[int, ...]) -> tuple[Any, ...]:
+    """The first n layers as a Python loop (unrolled at trace time) over per-layer buffers (see
+    LayerWeights): (x, ck, cv, hidden dtype[len(want), B, T, D] | None, new K/V
+    dtype[n, B, T, KV, hd] each)."""
     states = [x]
-    new_k, new_v = list(cache.k), list(cache.v)
+    new_k, new_v = list(ck), list(cv)
     kvs = []
-    for i, lw in enumerate(weights.layers[:n_layers]):
+    for i, lw in enumerate(layers[:n]):
         with jax.named_scope(f"layer_{i}"):
             x, new_k[i], new_v[i], kv = layer(hs, lw, x, rot, at, new_k[i], new_v[i])
         kvs.append(kv)
         if want:
             states.append(x)
     hidden = jnp.stack([states[i] for i in want]) if want else None
-    h = rms_norm(x, weights.final_norm, config.rms_eps)
-    logits = lm_logits(config, weights, h) if compute_logits else None
-    new_kv = None if write_cache else tuple(jnp.stack(a) for a in zip(*kvs, strict=True))
-    return ForwardOutput(logits=logits,
-                         cache=dataclasses.replace(cache, k=tuple(new_k), v=tuple(new_v)),
-                         hidden=hidden, final_hidden=h, new_kv=new_kv)
+    new_kv = None if at.writes else tuple(jnp.stack(a) for a in zip(*kvs, strict=True))
+    return x, tuple(new_k), tuple(new_v), hidden, new_kv
+
+
+def _scan_layers(hs: Heads, layers: LayerWeights, n: int, x: jax.Array,
+                 rot: tuple[jax.Array, jax.Array], at: Attend, ck: jax.Array, cv: jax.Array,
+                 want: tuple[int, ...]) -> tuple[Any, ...]:
+    """The first n layers as one `lax.scan` over stacked weights [L, ...] and a stacked cache
+    [L, B, KV, S, hd] (written in place at the layer's index, or read only): what `_unrolled_layers`
+    returns. The hidden states of the `want` layers are kept in a [len(want) + 1, B, T, D]
+    carry, each layer writing its output to its slot (the last slot takes the rest)."""
+    slot = np.full(n + 1, len(want), np.int32)
+    slot[list(want)] = np.arange(len(want), dtype=np.int32)
+    hid = jnp.zeros((len(want) + 1, *x.shape), x.dtype)
+    hid = jax.lax.dynamic_update_index_in_dim(hid, x, int(slot[0]), 0)
+    slot_of = jnp.asarray(slot)
+
+    def body(carry, i):
+        # A cache that is only read stays outside the carry (a loop invariant).
+        x, hid, *kv_bufs = carry
+        lw = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), layers)
+        x, k_buf, v_buf, kv = layer(hs, lw, x, rot, at, *(kv_bufs or (ck, cv)),
+                                    layer_index=i)
+        if want:
+            hid = jax.lax.dynamic_update_index_in_dim(hid, x, slot_of[i + 1], 0)
+        if at.writes:
+            return (x, hid, k_buf, v_buf), None
+        return (x, hid), kv
+
+    init = (x, hid, ck, cv) if at.writes else (x, hid)
+    out, kvs = jax.lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
+    x, hid = out[:2]
+    if at.writes:
+        ck, cv = out[2:]
+    return x, ck, cv, (hid[:len(want)] if want else None), kvs
 
 
 def pallas_platforms(config: ModelConfig, t: int, capacity: int) -> frozenset[str]:
@@ -254,7 +311,8 @@ def init_weights(config: ModelConfig, key: jax.Array, scale: float = 0.02) -> We
         q_norm=norm(n, hd) if config.qk_norm else None,
         k_norm=norm(n, hd) if config.qk_norm else None)
     embed = (jax.random.normal(next(ks), (config.vocab_size, d), jnp.float32)).astype(dt)
-    layers = tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n))
+    layers = stacked if config.scan_layers else tuple(
+        jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n))
     return Weights(embed=embed, layers=layers, final_norm=norm(d),
                    lm_head=None if config.tie_embeddings else rnd(d, config.vocab_size))
 
@@ -287,8 +345,12 @@ def repeat_kv_heads(config: ModelConfig, weights: Weights, factor: int
         a = a.reshape(*lead, kv, 1, hd)
         return jnp.broadcast_to(a, (*lead, kv, factor, hd)).reshape(*lead, kv * factor * hd)
 
-    layers = tuple(dataclasses.replace(lw, wk=rep(lw.wk), wv=rep(lw.wv), bk=rep(lw.bk),
-                                       bv=rep(lw.bv)) for lw in weights.layers)
+    def rep_layer(lw: LayerWeights) -> LayerWeights:
+        return dataclasses.replace(lw, wk=rep(lw.wk), wv=rep(lw.wv), bk=rep(lw.bk),
+                                   bv=rep(lw.bv))
+
+    layers = (tuple(rep_layer(lw) for lw in weights.layers)
+              if isinstance(weights.layers, tuple) else rep_layer(weights.layers))
     return (dataclasses.replace(config, num_kv_heads=kv * factor),
             dataclasses.replace(weights, layers=layers))
 
@@ -301,3 +363,22 @@ def cast_weights(weights: Weights, dtype: Any) -> Weights:
             return a
         return a.astype(dtype)
     return jax.tree_util.tree_map_with_path(cast, weights)
+
+
+def stack_layers(weights: Weights) -> Weights:
+    """The weights with their layers as one LayerWeights of stacks [L, ...] (scanned layers;
+    `ModelConfig.scan_layers`). Inverse of `unstack_layers`."""
+    if not isinstance(weights.layers, tuple):
+        return weights
+    return dataclasses.replace(weights, layers=jax.tree.map(lambda *a: jnp.stack(a),
+                                                            *weights.layers))
+
+
+def unstack_layers(weights: Weights) -> Weights:
+    """The weights with one LayerWeights per layer (unrolled layers). Inverse of
+    `stack_layers`."""
+    if isinstance(weights.layers, tuple):
+        return weights
+    n = jax.tree.leaves(weights.layers)[0].shape[0]
+    return dataclasses.replace(weights, layers=tuple(
+        jax.tree.map(lambda a, i=i: a[i], weights.layers) for i in range(n)))

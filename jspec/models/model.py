@@ -13,7 +13,7 @@ import numpy as np
 from jspec.errors import JspecError, ModelLoadError
 from jspec.models import loading, registry
 from jspec.models.config import ModelConfig
-from jspec.models.llama import Weights, cast_weights
+from jspec.models.llama import Weights, cast_weights, stack_layers, unstack_layers
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -42,6 +42,13 @@ class Model:
     def with_attention_impl(self, impl: str) -> Model:
         """The same model with `config.attention_impl = impl` ("auto" | "xla" | "pallas")."""
         return dataclasses.replace(self, config=self.config.replace(attention_impl=impl))
+
+    def with_scan_layers(self, on: bool = True) -> Model:
+        """The same model with its layers stacked and scanned (`ModelConfig.scan_layers`: the
+        layout for TPU) or, with on=False, one buffer per layer, unrolled (for CPU)."""
+        weights = (stack_layers if on else unstack_layers)(self.weights)
+        return dataclasses.replace(self, config=self.config.replace(scan_layers=on),
+                                   weights=weights)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:

@@ -70,6 +70,7 @@ def _nt_dot(a: jax.Array, b: jax.Array) -> jax.Array:
 def tree_attention_kernel(
     # Scalar prefetch
     lengths_ref,  # i32[B] (SMEM): committed prefix length of each row
+    layer_ref,  # i32[1] (SMEM): the layer of a stacked cache (read by the index maps only)
     # Inputs
     q_ref,  # dtype[T*G, hd]: queries of one row's T nodes for the G heads of one KV head
     k_ref,  # dtype[block_kv, hd]: one prefix tile of this KV head's cached keys
@@ -180,6 +181,7 @@ def tree_attention(
     k_new: jax.Array,  # dtype[B, T, KV, hd]
     v_new: jax.Array,  # dtype[B, T, KV, hd]
     parents: jax.Array | None = None,  # i32[T] | i32[B, T] | None (chain)
+    layer: jax.Array | None = None,  # i32 scalar: the layer of a stacked cache
     *,
     sm_scale: float | None = None,
     block_kv: int | None = None,
@@ -191,7 +193,9 @@ def tree_attention(
     Args:
       q: queries of the T nodes (RoPE applied), H = KV * G heads, head h uses KV head h // G.
       k_cache, v_cache: the KV cache; only slots `[0, lengths[b])` of row b are read (slots
-        beyond may hold anything, NaN included).
+        beyond may hold anything, NaN included). Or a stack of every layer's caches,
+        dtype[L, B, KV, S, hd], with `layer` saying which: on TPU the kernel's tiles are read
+        from the stack where it lies (a slice of it would be a copy of the layer's cache).
       lengths: committed prefix length per row (0 is allowed: the nodes see only the tree).
       k_new, v_new: keys and values of the T nodes.
       parents: parent of each node (`parents[t] < t`, -1 for a root); None is a chain
@@ -211,21 +215,38 @@ def tree_attention(
       The attention output, dtype of q; scores, softmax and accumulation in float32.
     """
     return dispatch(lambda mode: _tree_attention(q, k_cache, v_cache, lengths, k_new, v_new,
-                                                 parents, sm_scale, block_kv, mode),
+                                                 parents, layer, sm_scale, block_kv, mode),
                     interpret, platform)
 
 
-def _tree_attention(q, k_cache, v_cache, lengths, k_new, v_new, parents, sm_scale, block_kv,
-                    mode: str) -> jax.Array:
+def _layer_stack(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array | None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(k, v) as stacks [L, B, KV, S, hd] and the layer index i32[1]: a single layer's cache
+    is the stack of one."""
+    if k_cache.ndim == 5:
+        if layer is None:
+            raise ValueError(f"a stacked cache {k_cache.shape} needs the layer index")
+        return k_cache, v_cache, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    if layer is not None:
+        raise ValueError(f"layer given for a single layer's cache {k_cache.shape}")
+    return k_cache[None], v_cache[None], jnp.zeros((1,), jnp.int32)
+
+
+def _tree_attention(q, k_cache, v_cache, lengths, k_new, v_new, parents, layer, sm_scale,
+                    block_kv, mode: str) -> jax.Array:
     """`tree_attention` in one mode ("interpret" | "gpu" | "tpu")."""
     interpret = mode == "interpret"
     on_gpu = mode == "gpu"
-    _check_inputs(q, k_cache, v_cache, lengths, k_new, v_new, parents, allow_f16=on_gpu)
+    k_cache, v_cache, layer = _layer_stack(k_cache, v_cache, layer)
+    one = jax.ShapeDtypeStruct(k_cache.shape[1:], k_cache.dtype)
+    _check_inputs(q, one, one, lengths, k_new, v_new, parents, allow_f16=on_gpu)
     b, t, h, hd = q.shape
-    kv, s = k_cache.shape[1], k_cache.shape[2]
+    kv, s = k_cache.shape[2], k_cache.shape[3]
     g = h // kv
     scale = (1.0 / math.sqrt(hd)) if sm_scale is None else float(sm_scale)
-    if on_gpu:
+    if on_gpu:  # the GPU kernel reads one layer's buffer (a slice of a stack is a copy there)
+        k_cache = jax.lax.dynamic_index_in_dim(k_cache, layer[0], keepdims=False)
+        v_cache = jax.lax.dynamic_index_in_dim(v_cache, layer[0], keepdims=False)
         bk = pick_block_kv_gpu(s, hd) if block_kv is None else int(block_kv)
         return tree_attention_mgpu(q, k_cache, v_cache, lengths.astype(jnp.int32), k_new, v_new,
                                    _parents_2d(parents, b, t), sm_scale=scale, block_kv=bk)
@@ -246,24 +267,24 @@ def _tree_attention(q, k_cache, v_cache, lengths, k_new, v_new, parents, sm_scal
     par = _parents_2d(parents, b, t)[..., None]  # i32[B, T, 1]
     lengths = lengths.astype(jnp.int32)
 
-    def kv_map(bi, hi, ji, lengths_ref):
+    def kv_map(bi, hi, ji, lengths_ref, layer_ref):
         # Past the row's last valid tile, repeat it: the pipeline then skips the copy.
         last = jnp.maximum(pl.cdiv(lengths_ref[bi], bk) - 1, 0)
-        return bi, hi, jnp.minimum(ji, last), 0
+        return layer_ref[0], bi, hi, jnp.minimum(ji, last), 0
 
     sq = pl.squeezed
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1,
+        num_scalar_prefetch=2,
         grid=(b, kv, nk),
         in_specs=[
-            pl.BlockSpec((sq, sq, t * g, hd), lambda bi, hi, ji, _: (bi, hi, 0, 0)),
-            pl.BlockSpec((sq, sq, bk, hd), kv_map),
-            pl.BlockSpec((sq, sq, bk, hd), kv_map),
-            pl.BlockSpec((sq, sq, t, hd), lambda bi, hi, ji, _: (bi, hi, 0, 0)),
-            pl.BlockSpec((sq, sq, t, hd), lambda bi, hi, ji, _: (bi, hi, 0, 0)),
-            pl.BlockSpec((sq, t, 1), lambda bi, hi, ji, _: (bi, 0, 0)),
+            pl.BlockSpec((sq, sq, t * g, hd), lambda bi, hi, ji, *_: (bi, hi, 0, 0)),
+            pl.BlockSpec((sq, sq, sq, bk, hd), kv_map),
+            pl.BlockSpec((sq, sq, sq, bk, hd), kv_map),
+            pl.BlockSpec((sq, sq, t, hd), lambda bi, hi, ji, *_: (bi, hi, 0, 0)),
+            pl.BlockSpec((sq, sq, t, hd), lambda bi, hi, ji, *_: (bi, hi, 0, 0)),
+            pl.BlockSpec((sq, t, 1), lambda bi, hi, ji, *_: (bi, 0, 0)),
         ],
-        out_specs=pl.BlockSpec((sq, sq, t * g, hd), lambda bi, hi, ji, _: (bi, hi, 0, 0)),
+        out_specs=pl.BlockSpec((sq, sq, t * g, hd), lambda bi, hi, ji, *_: (bi, hi, 0, 0)),
         scratch_shapes=[pltpu.VMEM((t * g, 1), jnp.float32),
                         pltpu.VMEM((t * g, 1), jnp.float32),
                         pltpu.VMEM((t * g, hd), jnp.float32)],
@@ -278,7 +299,7 @@ def _tree_attention(q, k_cache, v_cache, lengths, k_new, v_new, parents, sm_scal
             dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name="tree_attention",
-    )(lengths, qg, k_cache, v_cache, kn, vn, par)
+    )(lengths, layer, qg, k_cache, v_cache, kn, vn, par)
     return out.reshape(b, kv, t, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, h, hd)
 
 
@@ -291,6 +312,7 @@ def tree_attention_reference(
     k_new: jax.Array,  # dtype[B, T, KV, hd]
     v_new: jax.Array,  # dtype[B, T, KV, hd]
     parents: jax.Array | None = None,  # i32[T] | i32[B, T] | None (chain)
+    layer: jax.Array | None = None,  # i32 scalar: the layer of a stacked cache
     *,
     sm_scale: float | None = None,
     block_kv: int | None = None,
@@ -302,6 +324,9 @@ def tree_attention_reference(
     are accepted (and ignored) so that the two functions are interchangeable.
     """
     del block_kv, interpret
+    k_cache, v_cache, layer = _layer_stack(k_cache, v_cache, layer)
+    k_cache = jax.lax.dynamic_index_in_dim(k_cache, layer[0], keepdims=False)
+    v_cache = jax.lax.dynamic_index_in_dim(v_cache, layer[0], keepdims=False)
     _check_inputs(q, k_cache, v_cache, lengths, k_new, v_new, parents, allow_f16=True)
     b, t, h, hd = q.shape
     kv, s = k_cache.shape[1], k_cache.shape[2]
