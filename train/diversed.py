@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model = jspec.load_model(args.model)
     drafter = jspec.load_drafter(args.drafter, target=model)
-    if args.level == "context" and not hasattr(drafter, "hidden_size"):
+    if args.level == "context" and drafter.caps.hidden_size <= 0:
         raise JspecError(f"--level context needs a drafter with hidden states (EAGLE-3 or "
                          f"DFlash), not {args.drafter!r}")
     if args.prompts_file:
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         raise JspecError("no training prompts")
     enc = [list(map(int, r["ids"])) if "ids" in r else model.encode(r["text"]) for r in rows]
     width = bucket_length(max(map(len, enc)))
-    head = DiversedHead.init(args.level, getattr(drafter, "hidden_size", 0),
+    head = DiversedHead.init(args.level, drafter.caps.hidden_size,
                              model.config.hidden_size, model=args.model, task=task)
     head0 = head
     # Trained leaves as a dict (a scalar head has no kernel; Orbax cannot save empty arrays).
