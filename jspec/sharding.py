@@ -13,18 +13,15 @@ drafters' parameters); per-row state likewise (KV caches, drafter caches), else 
 ...)` when the leading dimension is the batch; anything else is replicated.
 Kernels (Pallas calls) run per device through `shard_kernel` / `shard_map`, specs from `RULES`.
 
-Axis types: jspec builds and uses meshes with `AxisType.Auto` (GSPMD/Shardy propagation), not the
-`Explicit` default of `jax.make_mesh`. jspec places its inputs with `NamedSharding`s and pins the
-carried decode state with `with_sharding_constraint`; the compiler partitions the model code in
-between, which therefore stays the same code that runs on one device (no `out_sharding=` on
-every einsum). A mesh built with Explicit axes is accepted and converted (same devices, same
-names, Auto types) by `auto_mesh`.
+Axis types: jspec's meshes use `AxisType.Auto` (GSPMD/Shardy propagation), not `jax.make_mesh`'s
+`Explicit` default: inputs are placed with `NamedSharding`s, the carried decode state pinned
+with `with_sharding_constraint`, and the model code in between is the one-device code. An
+Explicit mesh is converted (same devices and names, Auto types) by `auto_mesh`.
 
 The divisibility rule: a logical axis is sharded over its mesh axis only when the mesh axis size
-divides the array dimension — and, for the flattened head dimensions of projection weights
-(`H*hd`), divides the number of heads, so that no head is split across devices. Otherwise that
-dimension is replicated (correct, only less memory-efficient). Example: SmolLM2-135M (9 heads,
-3 KV heads) on `model=8` keeps q/k/v/o replicated and shards MLP (1536) and vocabulary (49152).
+divides the array dimension — and, for flattened heads (`H*hd`), the number of heads: no head is
+split. Otherwise that dimension is replicated. Example: SmolLM2-135M (9 heads, 3 KV heads) on
+`model=8` keeps q/k/v/o replicated and shards MLP (1536) and vocabulary (49152).
 """
 
 from __future__ import annotations
@@ -45,14 +42,13 @@ from jspec.errors import JspecError
 from jspec.memory import per_device_bytes
 
 __all__ = ["DATA", "MODEL", "RULES", "Axes", "auto_mesh", "constrain", "declared_axes",
-           "head_dim_of", "logical", "logical_spec", "make_mesh", "named", "param_specs", "params_sharding",
-           "parse_mesh", "per_device_bytes", "place", "place_rows", "process_rows", "replicated",
-           "resolve_mesh", "shard_drafter", "shard_kernel", "shard_map", "shard_model",
-           "state_sharding", "state_specs", "to_host", "using"]
+           "head_dim_of", "logical", "logical_spec", "make_mesh", "named", "param_specs",
+           "params_sharding", "parse_mesh", "per_device_bytes", "place", "place_rows",
+           "process_rows", "replicated", "resolve_mesh", "shard_drafter", "shard_kernel",
+           "shard_map", "shard_model", "state_sharding", "state_specs", "to_host", "using"]
 
 DATA = "data"  # mesh axis for batch rows (data parallelism)
 MODEL = "model"  # mesh axis for heads / MLP / vocabulary (tensor parallelism)
-
 Axes = tuple[str | None, ...]  # one logical axis name (or None) per array dimension
 
 # The one table: logical axis name -> mesh axis name (None: replicated).
@@ -225,21 +221,11 @@ def declared_axes(root: Any, path: tuple[Any, ...], ndim: int | None = None) -> 
     """The logical axes declared (`logical`) by the innermost dataclass field on `path` from
     `root`, None when no field on the path declares any. With the leaf's `ndim`: a stackable
     field's leaf of one more dimension than declared gets a leading unsharded axis."""
-    meta = _declared(root, path)
-    if meta is None:
-        return None
-    axes = meta["axes"]
-    if ndim is not None and meta.get("stackable") and ndim == len(axes) + 1:
-        return (None, *axes)
-    return axes
-
-
-def _declared(root: Any, path: tuple[Any, ...]) -> Any:
     obj, found = root, None
     for entry in path:
         if isinstance(entry, jax.tree_util.GetAttrKey):
             if dataclasses.is_dataclass(obj):
-                f = _fields(type(obj)).get(entry.name)
+                f = {f.name: f for f in dataclasses.fields(obj)}.get(entry.name)
                 if f is not None and "axes" in f.metadata:
                     found = f.metadata
             obj = getattr(obj, entry.name)
@@ -248,12 +234,12 @@ def _declared(root: Any, path: tuple[Any, ...]) -> Any:
         elif isinstance(entry, jax.tree_util.DictKey):
             obj = obj[entry.key]
         else:  # a node flattened without names: nothing below it can be resolved
-            return found
-    return found
-
-
-def _fields(cls: type) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(cls)}
+            break
+    if found is None:
+        return None
+    axes = found["axes"]
+    stacked = ndim is not None and found.get("stackable") and ndim == len(axes) + 1
+    return (None, *axes) if stacked else axes
 
 
 def param_specs(tree: Any, mesh: Mesh | AbstractMesh, *, head_dim: int | None = None,

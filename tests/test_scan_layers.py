@@ -143,3 +143,25 @@ def test_while_loop_traffic_counts_its_body_per_trip():
     weights = 4 * 1024 * 1024 * 2
     assert 0.95 * weights <= reads[0] <= 1.05 * weights + 1e5, reads
     assert abs(reads[0] - reads[1]) <= 0.05 * weights, reads
+
+
+def test_real_model_scanned_generates_the_same_tokens(real_model):
+    """SmolLM2-135M (30 layers) scanned: greedy plain and n-gram speculative decoding give the
+    unrolled model's tokens (and the second call compiles nothing)."""
+    from conftest import assert_second_call_compiles_nothing, pad_prompts
+
+    scanned = real_model.with_scan_layers()
+    prompts = [real_model.encode("Name three prime numbers."),
+               real_model.encode("What is 12 times 7?")]
+    ids, lens = pad_prompts(prompts)
+    for drafter in (None, "ngram"):
+        outs = []
+        for m in (real_model, scanned):
+            d = jspec.load_drafter(drafter, target=m) if drafter else None
+            outs.append(np.asarray(jspec.generate(m, ids, lens, drafter=d,
+                                                  max_new_tokens=24).tokens))
+        np.testing.assert_array_equal(outs[0], outs[1])
+    # A batch of 4 short prompts, as the helper's second call.
+    assert_second_call_compiles_nothing(scanned, [[1, 2, 3], [5, 6], [7], [8, 9, 10, 11]],
+                                        max_new_tokens=24,
+                                        drafter=jspec.load_drafter("ngram", target=scanned))

@@ -97,12 +97,17 @@ class _Opaque:
 jax.tree_util.register_pytree_node(Model, Model.tree_flatten, Model.tree_unflatten)
 
 
-def load_model(name_or_path: str | os.PathLike, *, dtype: str = "float32") -> Model:
+def load_model(name_or_path: str | os.PathLike, *, dtype: str = "float32",
+               scan_layers: bool = False) -> Model:
     """Load a model by registry name, `.gguf` file, or Hugging Face directory.
 
     Args:
       name_or_path: e.g. "smollm2-135m", "/path/model.gguf", "/path/hf_dir".
       dtype: "float32" (default; fastest on CPU) or "bfloat16" (TPU/GPU).
+      scan_layers: stack the layers and scan them (`ModelConfig.scan_layers`): the layout for
+        TPU (a program compiles several times faster and reads its byte floor, docs/TPU.md);
+        the default, per-layer buffers, is the layout for CPU. A loaded model converts with
+        `Model.with_scan_layers`.
     Returns:
       Model with config, weights and tokenizer.
     """
@@ -123,4 +128,5 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: str = "float32") -> Mo
             f"unknown model {name!r}: not a registry name ({known}), a .gguf file or an HF directory")
     config = config.replace(dtype=dtype)
     weights = loading.weights_from_hf(config, tensors)
-    return Model(config=config, weights=weights, tokenizer=tok, name=name)
+    model = Model(config=config, weights=weights, tokenizer=tok, name=name)
+    return model.with_scan_layers() if scan_layers else model
