@@ -240,6 +240,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"GRPO: {len(tasks.answers)} '{args.task}' tasks, P={cfg.prompts} x G={cfg.group}, "
           f"drafter {args.drafter} (k={cfg.k}, {'re-bound' if cfg.rebind else 'frozen'}), "
           f"training the last {args.train_layers} layers + final norm + LM head", flush=True)
+    if args.evaluate:
+        from train.grpo_bench import evaluate  # noqa: PLC0415
+        evaluate(model, classes, cfg, args)
+        return 0
     if args.bench_rollouts:
         from train.grpo_bench import bench_rollouts  # noqa: PLC0415
         bench_rollouts(model, drafter, tasks, cfg, args)
@@ -288,4 +292,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--bench-rollouts", type=int, default=0, metavar="R",
                    help="instead of training: time R rollouts of step 0's batch with the "
                         "drafter and R without, alternating, and print tokens/s (grpo_bench)")
+    p.add_argument("--evaluate", type=int, default=0, metavar="N",
+                   help="instead of training: reward of the initial policy and of the last "
+                        "checkpoint in --out on N fixed tasks (seed 1), greedy and G samples "
+                        "each (grpo_bench)")
     p.set_defaults(func=run)

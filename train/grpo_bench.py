@@ -2,6 +2,7 @@
 `python -m train grpo` runs compared step by step.
 
   python -m train grpo --bench-rollouts 5          # tokens/s of step 0's rollout, both ways
+  python -m train grpo --evaluate 64 --out runs/a  # the start vs the last checkpoint
   python -m train.grpo_bench runs/a/log.jsonl runs/b/log.jsonl   # reward curves, paired
 """
 
@@ -22,8 +23,9 @@ import numpy as np
 
 import jspec
 from jspec.models.model import Model
-from train.grpo import GRPOConfig, step_batch
-from train.grpo_tasks import Tasks
+from train.grpo import GRPOConfig, merge, split_policy, step_batch
+from train.grpo_tasks import Tasks, answer_reward, arithmetic_tasks
+from train.loop import optimizer
 
 
 def bench_rollouts(model: Model, drafter: Any, tasks: Tasks, cfg: GRPOConfig,
@@ -61,11 +63,59 @@ def bench_rollouts(model: Model, drafter: Any, tasks: Tasks, cfg: GRPOConfig,
                 res["tau"].append(float(tau))
     summary = {f"{w}_tokens_per_s": sum(res[f"{w}_tok"]) / sum(res[f"{w}_s"])
                for w in ("spec", "plain")}
-    summary.update(tau=float(np.mean(res["tau"])), rows=int(batch.ids.shape[0]),
+    rows = int(batch.ids.shape[0])
+    summary.update({f"{w}_mean_length": float(np.mean(res[f"{w}_tok"])) / rows
+                    for w in ("spec", "plain")})
+    summary.update(tau=float(np.mean(res["tau"])), rows=rows,
                    repeats=args.bench_rollouts, loadavg=os.getloadavg()[0])
     summary["speedup"] = summary["spec_tokens_per_s"] / summary["plain_tokens_per_s"]
     print(json.dumps(summary), flush=True)
     return summary
+
+
+def evaluate(model: Model, classes: np.ndarray, cfg: GRPOConfig, args: argparse.Namespace
+             ) -> dict[str, float]:
+    """Reward of the initial policy and of the last checkpoint in `args.out` on
+    `args.evaluate` tasks generated with seed 1 (a fixed set; the first operations span a
+    small space, so training has likely seen some of them): greedy, and G samples each at
+    the run's temperature with the same keys for both policies (a paired comparison). Plain
+    decoding (speculation changes no distribution), batches of P*G rows."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    tasks = arithmetic_tasks(model, args.evaluate, seed=1, task=args.task)
+    frozen, params0 = split_policy(model.weights, args.train_layers)
+    mngr = ocp.CheckpointManager(Path(args.out).resolve() / "ckpt")
+    last = mngr.latest_step()
+    if last is None:
+        raise SystemExit(f"no checkpoint in {args.out}/ckpt")
+    tmpl = {"params": params0, "opt_state": optimizer(args).init(params0)}
+    params1 = mngr.restore(last, args=ocp.args.StandardRestore(tmpl))["params"]
+    mcfg = model.config.replace(tie_embeddings=False)
+    rows = cfg.prompts * cfg.group
+
+    @functools.partial(jax.jit, static_argnames="temperature")
+    def reward(params, ids, lens, answers, key, temperature):
+        m = Model(config=mcfg, weights=merge(frozen, params))
+        out = jspec.generate(m, ids, lens, max_new_tokens=cfg.max_new_tokens,
+                             sampling=jspec.Sampling(temperature=temperature),
+                             key=key if temperature > 0 else None)
+        return answer_reward(out.tokens, answers, classes)
+
+    res = {}
+    for name, p in (("start", params0), (f"step{last}", params1)):
+        for temp, g in ((0.0, 1), (cfg.temperature, cfg.group)):
+            idx = np.repeat(np.arange(len(tasks.answers)), g)
+            total = 0.0
+            for b in range(0, len(idx), rows):
+                real = idx[b:b + rows]  # a short last batch repeats its first task
+                sel = np.concatenate([real, np.full(rows - len(real), real[0])])
+                r = reward(p, tasks.ids[sel], tasks.lens[sel], tasks.answers[sel],
+                           jax.random.fold_in(jax.random.key(1), b), temp)
+                total += float(np.asarray(r)[:len(real)].sum())
+            res[f"{name}_T{temp:g}"] = total / len(idx)
+    res.update(tasks=len(tasks.answers), samples_per_task=cfg.group, loadavg=os.getloadavg()[0])
+    print(json.dumps(res), flush=True)
+    return res
 
 
 def _rewards(log: Path, key: str) -> dict[int, float]:

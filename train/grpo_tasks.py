@@ -111,7 +111,7 @@ def answer_reward(tokens: jax.Array, answers: jax.Array, classes: jax.Array) -> 
       answers: i32[B] the exact integer answers.
       classes: i32[V] from `token_classes`.
     """
-    cls = jnp.where(tokens >= 0, classes[jnp.maximum(tokens, 0)], OTHER).T  # [N, B]
+    cls = jnp.where(tokens >= 0, jnp.asarray(classes)[jnp.maximum(tokens, 0)], OTHER).T  # [N, B]
     zero = jnp.zeros(tokens.shape[:1], jnp.int32)
     false = zero.astype(bool)
     # The number being read: value, sign, integer digits, a leading 0, fraction digits, a
