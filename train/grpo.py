@@ -17,10 +17,9 @@ One step (`make_step`, one `jax.jit`, compiled once):
   5. an Optax update (AdamW, clipping, `train.loop.optimizer`).
 
 What trains: the last `--train-layers` decoder layers, the final norm and the LM head (untied from
-the input embedding, so the gradient never runs through the frozen layers below). Backprop
-through all 30 layers and full-model Adam states cost a multiple of this on 2 CPU cores
-(docs/RL.md). The LM head is what the EAGLE-3 drafter copies, so re-binding has something
-to refresh.
+the input embedding, so the gradient never runs through the frozen layers below). A step with all
+30 layers trained took 2.3x as long on 2 CPU cores (docs/RL.md). The LM head is what the
+EAGLE-3 drafter copies, so re-binding has something to refresh.
 
 Static (recompiles): the model config, P, G, max new tokens, T, k, the drafter's kind.
 Dynamic: the policy's parameters, optimizer state, the drafter's arrays, prompts, answers, key.
