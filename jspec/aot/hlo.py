@@ -115,7 +115,8 @@ def _fusion_reads(comp: str, comps: dict[str, list[tuple[str, str, str, list[str
 def hbm_traffic(hlo: str) -> dict[str, float]:
     """Modelled HBM bytes read and written by one run of the ENTRY computation, and the
     compiler's summed `estimated_cycles` (NaN for a program with a data-dependent loop). A
-    while loop (scanned layers) counts its body once
+    conditional counts its costliest branch (an upper bound), a call its computation, a
+    while loop (scanned layers) its body once
     per trip (the trip count read from its condition's bound); its own operands and results
     move nothing. A fusion whose root is a scatter or dynamic-update-slice updates its first
     operand in place: only its other operands are read, and as much is written. A fusion
@@ -162,6 +163,16 @@ def _traffic(comp: str, comps: dict[str, list[tuple[str, str, str, list[str], st
             r, w, cy = _traffic(body, comps, roots, types)
             read, written, cycles = read + n * r, written + n * w, cycles + n * cy
             continue
+        if op in ("conditional", "call"):  # the branch that moves the most (an upper bound)
+            names = re.findall(r"(?:branch_computations=\{|true_computation=|"
+                               r"false_computation=|to_apply=)([^}]*)", rest)
+            subs = [x.strip().lstrip("%") for n in names for x in n.split(",")]
+            subs = [x.split()[0] for x in subs if x]
+            costs = [_traffic(c, comps, roots, types) for c in subs if c in comps]
+            if costs:
+                r, w, cy = max(costs, key=lambda x: x[0] + x[1])
+                read, written, cycles = read + r, written + w, cycles + cy
+                continue
         if op.endswith("-done"):  # the result of an async copy: written where it lands
             written += _hbm(typ)
             continue

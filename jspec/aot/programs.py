@@ -139,7 +139,8 @@ def round_program(s: Setup, case: Case, prompt: int = 512, new_tokens: int = 128
     verifier = (case.verifier() if case.verifier else jspec.Lossless()) if drafter else None
     length = jspec.LibraSpec(n=4, d_max=case.k) if case.libraspec else None
     look = 0 if drafter is None else drafter.caps.lookahead(case.k)
-    cap = cache_capacity(prompt, new_tokens, look, "tpu")
+    # The setup's context, as the forwards it is compared with (at least what the run needs).
+    cap = max(cache_capacity(prompt, new_tokens, look, "tpu"), s.context)
     statics = dict(sampling=sampling, max_new_tokens=new_tokens, capacity=cap,
                    eos_ids=cfg.eos_ids, k=case.k if drafter else 0, verifier=verifier,
                    length=length)
