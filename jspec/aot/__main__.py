@@ -35,8 +35,8 @@ def _programs(flag: str, want: set[str], rep: dict, args: argparse.Namespace) ->
     for case in (c for c in CASES if c.name in want):
         make = generate_program if flag == "generate" else round_program
         c = make(s, case, args.prompt, args.new_tokens)
-        print(f"  compiled {c.name}: {'ok' if c.ok else 'FAILED'} in {c.compile_s:.1f} s",
-              file=sys.stderr, flush=True)
+        print(f"  compiled {c.name}: {'ok' if c.ok else 'FAILED'} in {c.compile_s:.1f} s "
+              f"({c.compile_cpu_s:.1f} s CPU)", file=sys.stderr, flush=True)
         row = dataclasses.asdict(c) | {"hbm_bytes": c.hbm_bytes}
         if flag == "rounds" and c.ok and ar and case.drafter:
             tree = "topk" in case.drafter

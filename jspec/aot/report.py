@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import json
 import math
+import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,7 @@ class Compiled:
     hbm_bytes_written: float = 0.0
     flops: float = 0.0
     mosaic_calls: int = 0  # Mosaic (Pallas TPU) kernels in the compiled HLO
+    compile_cpu_s: float = 0.0  # measured: this process's CPU seconds of lower + compile
 
     @property
     def hbm_bytes(self) -> int:
@@ -81,13 +83,14 @@ class Compiled:
 def compile_program(name: str, fn: Any, args: tuple[Any, ...], donate: tuple[int, ...] = ()
                     ) -> Compiled:
     """Lower and compile `fn(*args)` (abstract args with shardings) and read its analyses."""
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_utime
     try:
         c = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
     except Exception as e:  # the report says what failed instead of stopping
         msg = f"{type(e).__name__}: {e}".splitlines()[0][:400]
         return Compiled(name, False, msg, time.perf_counter() - t0)
     dt = time.perf_counter() - t0
+    cpu = resource.getrusage(resource.RUSAGE_SELF).ru_utime - cpu0
     mem = c.memory_analysis()
     cost = c.cost_analysis() or {}
     if isinstance(cost, list):  # older jax: one dict per module
@@ -98,7 +101,8 @@ def compile_program(name: str, fn: Any, args: tuple[Any, ...], donate: tuple[int
                     int(mem.temp_size_in_bytes), int(mem.output_size_in_bytes),
                     int(mem.alias_size_in_bytes), float(cost.get("bytes accessed", 0.0)),
                     traffic["hbm_read_bytes"], traffic["hbm_written_bytes"],
-                    float(cost.get("flops", 0.0)), hlo.count('custom_call_target="tpu_custom_call"'))
+                    float(cost.get("flops", 0.0)), hlo.count('custom_call_target="tpu_custom_call"'),
+                    cpu)
 
 
 def _abstract(tree: Any, shardings: Any) -> Any:
