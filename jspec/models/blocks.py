@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +26,7 @@ from jspec import platforms
 from jspec.models import cpu_gemm
 from jspec.models.cache import from_storage, write_slots
 from jspec.sharding import logical, shard_kernel
-from pallas_kernels.tree_attention import tree_attention
+from pallas_kernels.tree_attention import tree_attention, tree_attention_reference
 
 # A large finite negative instead of -inf: a fully masked row then stays finite (no NaN).
 MASK_VALUE = -1e30
@@ -319,11 +320,28 @@ def _attend_pallas(at: Attend, platform: str, q: jax.Array, k: jax.Array, v: jax
     if layer_index is not None:  # the whole stack goes in; the kernel reads its layer's tiles
         stack_a = (None, *cache_a)
         args, axes = (*args, layer_index), (qa, stack_a, stack_a, *axes[3:], ())
-    attn = shard_kernel(functools.partial(tree_attention, platform=platform), axes, qa)(*args)
+    attn = shard_kernel(_kernel_with_reference_jvp(platform), axes, qa)(*args)
     if not at.writes:
         return attn, ck, cv
     return (attn, write_slots(ck, k, at.lengths, layer_index),
             write_slots(cv, v, at.lengths, layer_index))
+
+
+@functools.cache
+def _kernel_with_reference_jvp(platform: str) -> Any:
+    """`tree_attention` for `platform`, differentiable: a Pallas call has no derivative rule, so
+    its tangents are those of `tree_attention_reference` (same math, plain XLA). What lets a
+    user take gradients through a forward that runs the kernel (a policy-gradient loss inside
+    the same jit, on TPU, or with the platform left to lowering)."""
+    @jax.custom_jvp
+    def kernel(*args: jax.Array) -> jax.Array:
+        return tree_attention(*args, platform=platform)
+
+    @kernel.defjvp
+    def _jvp(primals: tuple, tangents: tuple) -> tuple[jax.Array, jax.Array]:
+        return kernel(*primals), jax.jvp(tree_attention_reference, primals, tangents)[1]
+
+    return kernel
 
 
 def _attend_xla(at: Attend, q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array,
