@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 
 from jspec import memory, platforms, sharding
 from jspec.drafters.base import Drafter
+from jspec.drafters.bind import share_target
 from jspec.errors import JspecError, PlainDecodingWarning
 from jspec.inputs import pad_to_bucket, validate_prompts
 from jspec.length import FixedLength, LibraSpec
@@ -86,6 +87,7 @@ def _generate(weights: Weights, drafter: Any, verifier: Any, prompt_ids: jax.Arr
               eos_ids: tuple[int, ...], k: int, length: Any = None,
               mesh: Mesh | None = None, platform: str | None = None,
               features: tuple[int, ...] = ()) -> GenerateOutput:
+    drafter = share_target(drafter, weights)
     with platforms.compiling_for(platform):
         return _generate_body(weights, drafter, verifier, prompt_ids, prompt_lengths, key,
                               limit, stop, params, config=config, sampling=sampling,
@@ -124,6 +126,7 @@ def _init_jit(weights: Weights, drafter: Any, verifier: Any, prompt_ids: jax.Arr
               params: SamplingParams | None = None, **statics: Any) -> SpecState:
     mesh = statics.pop("mesh", None)
     platform = statics.pop("platform", None)
+    drafter = share_target(drafter, weights)
     weights, drafter, verifier, prompt_ids, prompt_lengths = _pin_inputs(
         mesh, statics["config"], weights, drafter, verifier, prompt_ids, prompt_lengths)
     with platforms.compiling_for(platform):
@@ -140,6 +143,7 @@ def _chunk_jit(weights: Weights, drafter: Any, verifier: Any, state: SpecState, 
                config: ModelConfig, sampling: Sampling, eos_ids: tuple[int, ...], k: int,
                rounds: int, length: Any = None, mesh: Mesh | None = None,
                platform: str | None = None) -> SpecState:
+    drafter = share_target(drafter, weights)
     with platforms.compiling_for(platform):
         round_fn = make_round(config, weights, drafter, k=k, sampling=sampling,
                               eos_ids=eos_ids, verifier=verifier, length=length)

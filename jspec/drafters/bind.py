@@ -62,3 +62,16 @@ def bind(drafter: D, target_weights: Weights) -> D:
     if isinstance(drafter, Proposer):
         return dataclasses.replace(drafter, inner=bind(drafter.inner, target_weights))
     return drafter
+
+
+def share_target(drafter: D, target_weights: Weights) -> D:
+    """The drafter with every `early-exit:N` (a `DraftModel` with `shares_target`, also inside
+    a proposer) reading the given target weights: what `generate` applies inside its program, so
+    that the target's weights enter it once. (A stacked target's layers are used whole by the
+    drafter's scan, so a second copy was not dropped as unused: an 8B early-exit `generate`
+    asked for 31.6 GB of one v6e chip's 31.25.) Other drafters are returned as they are."""
+    if isinstance(drafter, DraftModel) and drafter.shares_target:
+        return dataclasses.replace(drafter, weights=target_weights)
+    if isinstance(drafter, Proposer):
+        return dataclasses.replace(drafter, inner=share_target(drafter.inner, target_weights))
+    return drafter
