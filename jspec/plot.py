@@ -5,7 +5,8 @@ later from its JSON: `python -m jspec plot BENCH.json OUT.png`): acceptance by d
 per drafter, speedup and τ against K (tree drafters: against the nodes verified per round),
 the verification cost curve c(K), and tokens/s against batch size when the JSON has rows with
 a `batch` (`python -m jspec.gpu_e2e`'s autoregressive rows). `plot_training(log.jsonl, OUT.png)`
-draws a `python -m train eagle3|dflash` run: loss and held-out simulated τ per step.
+draws a `python -m train eagle3|dflash` run: loss and held-out simulated τ per step;
+`plot_aot(report, OUT.png)` a `python -m jspec aot` report: c(T) and HBM read per program.
 """
 
 from __future__ import annotations
@@ -237,8 +238,40 @@ def plot_training(log: str | Path, out: str | Path) -> Path:
     return out
 
 
+def plot_aot(rep: dict[str, Any], out: str | Path) -> Path:
+    """A TPU report (`python -m jspec aot --plot OUT.png`, or its JSON): the modelled verify
+    cost c(T) of chains and trees against the nodes per forward, and the HBM bytes each
+    program reads per chip against the step's byte floor (all modelled)."""
+    plt = _pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for tree, label in ((False, "chain"), (True, "tree")):
+        pts = sorted((r["t"], r["c_modelled"]) for r in rep["programs"]
+                     if r["tree"] == tree and r.get("c_modelled"))
+        if pts:
+            a.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    a.set(title="verify cost c(T) (modelled)", xlabel="tokens per forward T",
+          ylabel="forward time / AR step", xscale="log")
+    rows = [r for r in rep["programs"] if r.get("ok")]
+    names = [f"{'tree' if r['tree'] else 'chain'} {r['t']}" for r in rows]
+    b.bar(range(len(rows)), [r["hbm_bytes_read"] / 1e9 for r in rows])
+    b.axhline(rep["byte_floor_per_chip"] / 1e9, color="k", linestyle="--", label="byte floor")
+    b.set_xticks(range(len(rows)), names, rotation=60, fontsize=7)
+    b.set(title="HBM read per chip (modelled)", ylabel="GB")
+    for ax in (a, b):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{rep['model']} on {rep['topology']}, batch {rep['batch']}, context "
+                 f"{rep['context']}, {rep.get('layers', 'unrolled')} layers", fontsize=10)
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def main(args: Any) -> int:
-    """`python -m jspec plot BENCH.json OUT.png` (a training log.jsonl also works)."""
+    """`python -m jspec plot BENCH.json OUT.png` (a training log.jsonl or a `jspec aot` report
+    also works)."""
     src = Path(args.json)
     if not src.is_file():
         raise JspecError(f"{src} not found")
@@ -249,6 +282,7 @@ def main(args: Any) -> int:
             res = json.loads(src.read_text())
         except ValueError as e:
             raise JspecError(f"{src} is not JSON: {e}") from e
-        path = plot_bench(res, args.out)
+        path = plot_aot(res, args.out) if "byte_floor_per_chip" in res else plot_bench(
+            res, args.out)
     print(f"wrote {path}")
     return 0

@@ -82,3 +82,21 @@ def test_plot_training_log(tmp_path):
     (tmp_path / "e.jsonl").write_text("")
     with pytest.raises(JspecError, match="no steps"):
         plot_training(tmp_path / "e.jsonl", tmp_path / "e.png")
+
+
+def test_plot_aot_report_and_cli(tmp_path):
+    """A `jspec aot` report's JSON draws (c(T) and HBM read per program), also through
+    `python -m jspec plot`, which tells it from a bench result."""
+    pytest.importorskip("matplotlib")
+    from jspec.plot import plot_aot
+
+    rows = [{"t": t, "tree": tree, "ok": True, "c_modelled": 1 + 0.01 * t,
+             "hbm_bytes_read": 2.4e9 + 1e6 * t} for t in (1, 4, 16) for tree in (False, True)]
+    rep = {"model": "m", "topology": "v5e:2x4", "batch": 8, "context": 4096,
+           "layers": "scanned", "byte_floor_per_chip": 2.41e9, "programs": rows}
+    out = plot_aot(rep, tmp_path / "a.png")
+    assert out.stat().st_size > 10_000
+    src = tmp_path / "r.json"
+    src.write_text(json.dumps(rep))
+    assert cli.main(["plot", str(src), str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").stat().st_size > 10_000

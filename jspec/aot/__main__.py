@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", type=int, default=512, help="prompt width for --generate (512)")
     p.add_argument("--new-tokens", type=int, default=128, help="new tokens for --generate (128)")
     p.add_argument("--json-out", type=Path, default=None, help="write the report as JSON here")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="draw c(T) and HBM read per program here (PNG; needs matplotlib)")
     return p
 
 
@@ -124,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps(rep, indent=1))
+    if args.plot:
+        from jspec.plot import plot_aot  # noqa: PLC0415 (matplotlib: optional)
+
+        print(f"wrote {plot_aot(rep, args.plot)}", file=sys.stderr)
     return 0
 
 
