@@ -15,6 +15,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jspec import safetensors_io
 from jspec.errors import ModelLoadError
 from jspec.models.blocks import LayerWeights
 from jspec.models.config import SUPPORTED_ARCHS, ModelConfig
@@ -242,8 +243,6 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
 
 def read_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray], Any]:
     """Read an HF directory (config.json + *.safetensors [+ tokenizer files])."""
-    from safetensors import safe_open  # noqa: PLC0415
-
     path = Path(path)
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
@@ -260,9 +259,7 @@ def read_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndar
     tensors: dict[str, np.ndarray] = {}
     for f in files:
         try:
-            with safe_open(str(f), framework="numpy") as st:
-                for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    tensors[name] = st.get_tensor(name)
+            tensors.update(safetensors_io.read(f))  # memory-mapped, read-only
         except Exception as e:
             raise ModelLoadError(f"cannot read {f} (truncated or corrupt safetensors?): {e}") from e
     tokenizer = None
@@ -347,12 +344,10 @@ def weights_to_hf(config: ModelConfig, weights: Weights) -> dict[str, np.ndarray
 def write_hf_dir(path: str | os.PathLike, config: ModelConfig, tensors: dict[str, np.ndarray],
                  tokenizer: Any = None) -> None:
     """Write config.json, model.safetensors and the tokenizer as an HF directory."""
-    from safetensors.numpy import save_file  # noqa: PLC0415
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config_to_hf(config), indent=1))
-    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()},
-              str(path / "model.safetensors"))
+    safetensors_io.write(path / "model.safetensors",
+                         {k: np.asarray(v, np.float32) for k, v in tensors.items()})
     if tokenizer is not None:
         tokenizer.save_pretrained(str(path))
