@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec import safetensors_io
 from jspec.errors import JspecError
 from jspec.sampling import Sampling, one_hot_where_deterministic, process_logits
 from jspec.verify.base import Supports, Verifier
@@ -83,22 +84,14 @@ class DiversedHead:
         return jnp.concatenate([unit(hd), unit(ht)], axis=-1) / np.sqrt(feats.shape[-1])
 
     def save(self, path: str | Path) -> None:
-        from safetensors.numpy import save_file  # noqa: PLC0415
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         meta = dict(kind=self.kind, d_draft=self.d_draft, d_target=self.d_target,
                     model=self.model, task=self.task)
-        tmp = path.with_suffix(".tmp")
-        save_file({"kernel": np.asarray(self.kernel, np.float32),
-                   "bias": np.asarray(self.bias, np.float32)}, str(tmp),
-                  metadata={"jspec_diversed": json.dumps(meta)})
-        tmp.replace(path)
+        safetensors_io.write(path, {"kernel": np.asarray(self.kernel, np.float32),
+                                    "bias": np.asarray(self.bias, np.float32)},
+                             metadata={"jspec_diversed": json.dumps(meta)})
 
     @classmethod
     def load(cls, path: str | Path) -> DiversedHead:
-        from safetensors import safe_open  # noqa: PLC0415
-
         path = Path(path)
         shipped = Path(__file__).resolve().parent.parent / "assets" / f"{path}.safetensors"
         if not path.is_file() and path.suffix != ".safetensors" and shipped.is_file():
@@ -106,12 +99,12 @@ class DiversedHead:
         if not path.is_file():
             raise JspecError(f"DIVERSED head file not found: {path}")
         try:
-            with safe_open(str(path), "np") as f:
-                meta = (f.metadata() or {}).get("jspec_diversed")
-                if meta is None:
-                    raise JspecError(f"{path} is not a DIVERSED head file")
-                m = json.loads(meta)
-                kernel, bias = f.get_tensor("kernel"), f.get_tensor("bias")
+            meta = safetensors_io.read_metadata(path).get("jspec_diversed")
+            if meta is None:
+                raise JspecError(f"{path} is not a DIVERSED head file")
+            m = json.loads(meta)
+            arrays = safetensors_io.read(path)
+            kernel, bias = arrays["kernel"], arrays["bias"]
         except JspecError:
             raise
         except Exception as e:
