@@ -292,8 +292,10 @@ def attend(at: Attend, q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array,
     """Write the new k, v [B, T, KV, hd] at slots lengths + t of the cache buffers ck, cv
     dtype[B, KV, S, hd] and attend to it: (attn q's dtype[B, T, H, hd], ck, cv). With
     `at.new_mask` set, ck and cv come back unwritten. `layer_index` (i32 scalar, scanned
-    layers): ck, cv are stacks dtype[L, B, KV, S, hd] and this layer's buffers are
-    ck[layer_index], cv[layer_index], read and written in place."""
+    layers): ck, cv are stacks dtype[L, B, KV, S, hd], this layer's are read at that index,
+    and the caller writes the new K/V (`at.new_mask` must be set: `KVCache.write`)."""
+    if layer_index is not None and at.writes:
+        raise ValueError("a stacked cache is read only inside the layer loop: set new_mask")
     if not at.pallas_on:
         return _attend_xla(at, q, k, v, ck, cv, layer_index)
     # The Pallas kernel or XLA attention, for the platform the program is compiled for.
@@ -323,8 +325,7 @@ def _attend_pallas(at: Attend, platform: str, q: jax.Array, k: jax.Array, v: jax
     attn = shard_kernel(_kernel_with_reference_jvp(platform), axes, qa)(*args)
     if not at.writes:
         return attn, ck, cv
-    return (attn, write_slots(ck, k, at.lengths, layer_index),
-            write_slots(cv, v, at.lengths, layer_index))
+    return attn, write_slots(ck, k, at.lengths), write_slots(cv, v, at.lengths)
 
 
 @functools.cache
@@ -360,8 +361,8 @@ def _attend_xla(at: Attend, q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Ar
     # unwritten one and writing it after, in the same layer, measured 1.3-1.4x slower at batch
     # 16-64 on XLA:CPU (a copy of every cache buffer per step). Unwritten (above) is for a
     # forward whose caller writes after the whole forward (a verify switch's branch).
-    ck = write_slots(ck, k, at.lengths, layer_index)  # [(L,) B, KV, S, hd]
-    cv = write_slots(cv, v, at.lengths, layer_index)
+    ck = write_slots(ck, k, at.lengths)  # [B, KV, S, hd]
+    cv = write_slots(cv, v, at.lengths)
     return attention(q, read(ck), read(cv), at.mask), ck, cv
 
 

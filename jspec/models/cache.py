@@ -50,16 +50,14 @@ def from_storage(buf: jax.Array, dtype) -> jax.Array:
     return buf.astype(dtype)
 
 
-def write_slots(buf: jax.Array, new: jax.Array, start: jax.Array,
-                layer: jax.Array | None = None) -> jax.Array:
+def write_slots(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     """dtype[B, KV, S, hd]: `buf` with new[b, t] written at slot start[b] + t (slots past S
     dropped, never wrapped).
 
-    new: [B, T, KV, hd]; start: i32[B]. `layer` (i32 scalar): `buf` is a stack of layers'
-    buffers dtype[L, B, KV, S, hd] (scanned layers, `ModelConfig.scan_layers`) and the write
-    goes to its layer `layer`, in place. How, measured on XLA:CPU (docs/BENCHMARKS.md "Cache
-    writes"): one row is a `dynamic_update_slice` of a T-slot window (O(T), in place; the
-    window is read first so that slots past S keep their old values); several rows a scatter,
+    new: [B, T, KV, hd]; start: i32[B] (a stacked cache: `write_stack`). How, measured on
+    XLA:CPU (docs/BENCHMARKS.md "Cache writes"): one row is a `dynamic_update_slice` of a
+    T-slot window (O(T), in place; the window is read first so that slots past S keep their
+    old values); several rows a scatter,
     in place for float32 and for bfloat16 stored as uint16 bits (`storage_dtype`). (Before
     that storage, a bfloat16 scatter copied the buffer, 54 ms a step at batch 64, and T
     selects over the buffer were the faster way; batch 16, T = 4, bfloat16: 107-118 ms a
@@ -67,10 +65,10 @@ def write_slots(buf: jax.Array, new: jax.Array, start: jax.Array,
     """
     b, t = new.shape[:2]
     src = to_storage(jnp.swapaxes(new, 1, 2), buf.dtype)  # [B, KV, T, hd]
-    if t > buf.shape[-2]:
-        return _scatter_rows(buf, src, start, layer)
+    if t > buf.shape[2]:
+        return _scatter_rows(buf, src, start)
     if b == 1:
-        return _write_windows(buf, src, start, layer)
+        return _write_windows(buf, src, start)
     # Several rows: a scatter on CPU (in place there, see above). Elsewhere, for one new token
     # per row (a decode step), one in-place window per row, up to MAX_WINDOW_ROWS rows (each is
     # its own instruction): on 8 v5e chips the scatter's buffer went through VMEM and was
@@ -78,8 +76,8 @@ def write_slots(buf: jax.Array, new: jax.Array, start: jax.Array,
     # 0.017 GB). For several tokens per row the scatter: on one v6e chip (batch 8, T = 5) it
     # reads the floor and writes 0.03 GB, the windows 25.5 GB and 9.4 GB (docs/TPU.md).
     if b > MAX_WINDOW_ROWS or t > 1:
-        return _scatter_rows(buf, src, start, layer)
-    return platforms.choose(buf, src, start, layer, cpu=_scatter_rows, default=_write_windows)
+        return _scatter_rows(buf, src, start)
+    return platforms.choose(buf, src, start, cpu=_scatter_rows, default=_write_windows)
 
 
 MAX_WINDOW_ROWS = 32
@@ -103,33 +101,26 @@ def write_stack(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     return buf.at[layers, rows, :, slots].set(to_storage(new, buf.dtype), mode="drop")
 
 
-def _write_windows(buf: jax.Array, src: jax.Array, start: jax.Array,
-                   layer: jax.Array | None) -> jax.Array:
-    """Row by row: src[i] [KV, T, hd] at slots start[i] + t of buf [B, KV, S, hd] (of
-    buf[layer] for a stack), as a T-slot window (read first, so slots past S keep their old
-    values), written in place."""
-    pre = () if layer is None else (layer,)
+def _write_windows(buf: jax.Array, src: jax.Array, start: jax.Array) -> jax.Array:
+    """Row by row: src[i] [KV, T, hd] at slots start[i] + t of buf [B, KV, S, hd], as a T-slot
+    window (read first, so slots past S keep their old values), written in place."""
     t = src.shape[2]
-    for i in range(src.shape[0]):
-        s0 = jnp.minimum(start[i], buf.shape[-2] - t)
-        at = (*pre, i, 0, s0, 0)
-        old = jax.lax.dynamic_slice(buf, at, (*(1,) * len(pre), 1, *src.shape[1:]))
+    for i in range(buf.shape[0]):
+        s0 = jnp.minimum(start[i], buf.shape[2] - t)
+        old = jax.lax.dynamic_slice(buf, (i, 0, s0, 0), (1, *src.shape[1:]))
         j = s0 + jnp.arange(t, dtype=jnp.int32) - start[i]  # window slot -> index into src
-        win = jnp.take(src[i:i + 1], jnp.clip(j, 0, t - 1), axis=2).reshape(old.shape)
-        win = jnp.where(((j >= 0) & (j < t))[:, None], win, old)
-        buf = jax.lax.dynamic_update_slice(buf, win, at)
+        win = jnp.take(src[i:i + 1], jnp.clip(j, 0, t - 1), axis=2)
+        win = jnp.where(((j >= 0) & (j < t))[None, None, :, None], win, old)
+        buf = jax.lax.dynamic_update_slice(buf, win, (i, 0, s0, 0))
     return buf
 
 
-def _scatter_rows(buf: jax.Array, src: jax.Array, start: jax.Array,
-                  layer: jax.Array | None) -> jax.Array:
-    pre = () if layer is None else (layer,)
+def _scatter_rows(buf: jax.Array, src: jax.Array, start: jax.Array) -> jax.Array:
     b, _, t, _ = src.shape
     slots = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
     rows = jnp.arange(b, dtype=jnp.int32)[:, None]
-    # Indices ([layer,] rows, :, slots): the indexed dims come first, so the update is
-    # [B, T, KV, hd].
-    return buf.at[(*pre, rows, slice(None), slots)].set(jnp.swapaxes(src, 1, 2), mode="drop")
+    # Indices (rows, :, slots): the indexed dims come first, so the update is [B, T, KV, hd].
+    return buf.at[rows, :, slots].set(jnp.swapaxes(src, 1, 2), mode="drop")
 
 
 @jax.tree_util.register_dataclass
