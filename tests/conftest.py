@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import functools
 import gc
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -129,3 +130,12 @@ def _free_compiled_programs():
 def real_model() -> Model:
     """SmolLM2-135M-Instruct, converted once into $JSPEC_CACHE."""
     return jspec.load_model("smollm2-135m")
+
+
+def needs_libtpu() -> pytest.MarkDecorator:
+    """Skip a TPU-compile test where libtpu is not installed (a checkout without the `tpu`
+    extra); under CI (`$CI` set) its absence is an error, as in tests/test_aot_report.py."""
+    missing = importlib.util.find_spec("libtpu") is None
+    if missing and os.environ.get("CI"):
+        raise RuntimeError("libtpu is missing: .ci/run installs the 'tpu' extra")
+    return pytest.mark.skipif(missing, reason="libtpu not installed (pip install -e '.[tpu]')")

@@ -5,12 +5,12 @@ are the XLA reference's (a Pallas call has no derivative rule), so a loss inside
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import needs_libtpu
 
 from jspec.models.cache import KVCache
 from jspec.models.config import ModelConfig
@@ -39,7 +39,7 @@ def test_grad_through_the_kernel_equals_grad_through_xla(scan):
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads[1])) > 0
 
 
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu")
+@needs_libtpu()
 def test_grad_compiles_for_tpu_with_the_mosaic_kernel():
     """The same gradient, bfloat16, scanned layers, compiled for a v5e chip: the forward keeps
     the Mosaic kernel, the backward is XLA."""

@@ -5,12 +5,11 @@ traffic model of a while loop."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import needs_libtpu
 
 import jspec
 from jspec.models.cache import KVCache, write_slots, write_stack
@@ -113,7 +112,7 @@ def test_stacked_leaves_shard_like_their_layers():
     assert cs.lengths == jax.sharding.PartitionSpec("data")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu")
+@needs_libtpu()
 def test_while_loop_traffic_counts_its_body_per_trip():
     """The HLO traffic model of a scanned program compiled for TPU: a loop of 4 matmuls reads
     the stacked weights once in all (4 trips x one layer), like the unrolled program, not 4x
