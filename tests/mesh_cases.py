@@ -352,6 +352,7 @@ def test_sampling_at_t1_on_a_mesh_keeps_the_target_distribution(shape):
 # ----------------------------------------------------------------------------- training
 def _train_inputs(kind: str):
     from train import drafters as tr
+    from train.data import Batch
 
     model = tiny_model("mesh_gqa", seed=1)
     cfg = dataclasses.replace(_drafter_cfg(kind, model), num_layers=1)
@@ -367,12 +368,12 @@ def _train_inputs(kind: str):
                     to_draft=jnp.asarray(to_draft), stats=stats)
     lens = rng.integers(20, s + 1, b).astype(np.int32)
     plens = rng.integers(2, 8, b).astype(np.int32)
-    batch = {"tokens": rng.integers(0, model.config.vocab_size, (b, s)).astype(np.int32),
-             "lens": lens, "plens": plens,
-             "feats": rng.standard_normal((b, s, f, d)).astype(np.float16),
-             "final": rng.standard_normal((b, s, d)).astype(np.float16)}
+    batch = Batch(tokens=rng.integers(0, model.config.vocab_size, (b, s)).astype(np.int32),
+                  lens=lens, plens=plens,
+                  feats=rng.standard_normal((b, s, f, d)).astype(np.float16),
+                  final=rng.standard_normal((b, s, d)).astype(np.float16))
     lo, hi = (-2, 3) if kind == "eagle3" else (0, 2)
-    batch["pos"], batch["valid"] = tr.sample_positions(rng, lens, plens, 6, lo, hi)
+    batch = batch.at(*tr.sample_positions(rng, lens, plens, 6, lo, hi))
     # eps 1e-4 instead of 1e-8: Adam's first step is g / (|g| + eps), which for the few
     # near-zero gradients turns float-reassociation noise into O(lr) differences.
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, b1=0.9, b2=0.95, eps=1e-4))
@@ -390,7 +391,7 @@ def test_train_step_on_meshes_equals_single_device(kind, meshes):
 
     cfg, params, frozen, batch, tx = _train_inputs(kind)
     statics = dict(kind=kind, cfg=cfg, tx=tx, vat_head=True, vat_weight=True)
-    jb = {k: jnp.asarray(v) for k, v in batch.items()}
+    jb = jax.tree.map(jnp.asarray, batch)
     copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731 (train_step donates)
     p1, s1, m1 = tr.train_step(copy(params), tx.init(params), frozen, jb, **statics)
     for shape in meshes:

@@ -149,15 +149,15 @@ def case_train_step(a: argparse.Namespace) -> None:
 
     mesh = _mesh(a.mesh)
     cfg, params, frozen, batch, tx = _train_inputs(a.kind)
-    b = len(batch["lens"])
+    b = len(batch.lens)
     rows = sharding.process_rows(mesh, b)
     # This process keeps only its rows: the others' are dropped before anything is placed.
-    local = {k: v[rows] for k, v in batch.items()}
+    local = jax.tree.map(lambda v: v[rows], batch)
     del batch
     log(f"process {jax.process_index()} supplies rows {rows.tolist()} of {b}")
     placed = tr.shard_for_training(mesh, cfg, params, tx.init(params), frozen)
     gbatch = sharding.place_rows(local, mesh, b)
-    assert gbatch["tokens"].shape[0] == b and not gbatch["tokens"].is_fully_addressable
+    assert gbatch.tokens.shape[0] == b and not gbatch.tokens.is_fully_addressable
     statics = dict(kind=a.kind, cfg=cfg, tx=tx, vat_head=True, vat_weight=True, mesh=mesh)
     if a.hlo:  # compile only, and list the program's collectives
         hlo = tr.train_step.lower(*placed, gbatch, **statics).compile().as_text()

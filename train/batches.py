@@ -1,6 +1,6 @@
-"""Batches of a drafter training run: a pure function of (seed, step), so a resumed run draws the
-batches the uninterrupted one would have; placed on a mesh with rows over `data`, each process
-building only its own rows when the mesh spans several."""
+"""Batches of a drafter training run (`train.data.Batch`): a pure function of (seed, step), so a
+resumed run draws the batches the uninterrupted one would have; placed on a mesh with rows over
+`data`, each process building only its own rows when the mesh spans several."""
 
 from __future__ import annotations
 
@@ -10,23 +10,24 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from jspec import sharding
 from jspec.drafters.trained import DrafterConfig
-from train.data import Rows, make_batch, sample_positions, window
+from train.data import Batch, Rows, make_batch, sample_positions, window
 from train.recipes import RECIPES
 
 
-def batch_sharding(mesh: Mesh, batch: dict[str, Any]) -> dict[str, NamedSharding]:
-    """Rows of every batch array over `data` (the rules table's `batch`), the rest replicated."""
-    return sharding.state_sharding(batch, mesh, batch=len(batch["lens"]))
+def batch_sharding(mesh: Mesh, batch: Any) -> Any:
+    """Rows of every batch array over `data` (the rules table's `batch`), the rest replicated:
+    NamedShardings in the pytree structure of `batch` (a `Batch`, or a dict of its fields)."""
+    return sharding.state_sharding(batch, mesh, batch=np.shape(Batch.of(batch).lens)[0])
 
 
-def to_device(mesh: Mesh | None, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+def to_device(mesh: Mesh | None, batch: Batch) -> Batch:
     """A host batch on the devices: as it is without a mesh, else rows over `data`."""
     if mesh is None:
-        return {k: jnp.asarray(v) for k, v in batch.items()}
+        return jax.tree.map(jnp.asarray, batch)
     return sharding.place(batch, batch_sharding(mesh, batch))
 
 
@@ -47,7 +48,7 @@ def plan_entry(args: argparse.Namespace, plan: list, step: int) -> tuple[int, in
 
 def batch_for_step(args: argparse.Namespace, rows: Rows, plan: list, step: int,
                    feat_idx: list[int], cfg: DrafterConfig, part: np.ndarray | None = None
-                   ) -> dict[str, np.ndarray]:
+                   ) -> Batch:
     """Batch `step` of the run: a pure function of (seed, step) (resumable, deterministic).
 
     `part` (row indices into the batch, e.g. `sharding.process_rows`): build only those rows —
@@ -61,13 +62,11 @@ def batch_for_step(args: argparse.Namespace, rows: Rows, plan: list, step: int,
     rng = np.random.default_rng([args.seed, epoch, i, 1])
     pos, valid = positions(args, cfg.kind, rng, lens, plens)
     part = np.arange(len(idx)) if part is None else np.asarray(part)
-    b = make_batch(rows, [idx[j] for j in part], seq, feat_idx)
-    b["pos"], b["valid"] = pos[part], valid[part]
-    return b
+    return make_batch(rows, [idx[j] for j in part], seq, feat_idx).at(pos[part], valid[part])
 
 
 def step_batch(args: argparse.Namespace, rows: Rows, plan: list, step: int, feat_idx: list[int],
-               cfg: DrafterConfig, mesh: Mesh | None) -> dict[str, jax.Array]:
+               cfg: DrafterConfig, mesh: Mesh | None) -> Batch:
     """Batch `step` on the devices. On a mesh spanning several processes each process builds
     only the rows its own devices hold and the global batch is assembled from those parts
     (`sharding.place_rows`); otherwise the whole batch is placed."""

@@ -44,7 +44,9 @@ from jspec.drafters.trained import (
     with_stats,
 )
 from jspec.models.model import load_model
+from train.batches import plan_entry, to_device
 from train.data import (
+    Batch,
     Rows,
     coverage,
     make_batch,
@@ -100,18 +102,19 @@ def block_loss(logits: jax.Array, hard: jax.Array, valid: jax.Array, prefix: jax
 
 
 def forward_blocks(cfg: DrafterConfig, params: Params, frozen: Frozen,
-                   batch: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
-    """(logits, hard, valid, prefix) flattened over the batch's blocks."""
-    tokens, lens = batch["tokens"], batch["lens"]
-    feats = batch["feats"].astype(jnp.float32)
+                   batch: Batch) -> tuple[jax.Array, ...]:
+    """(logits, hard, valid, prefix) flattened over the batch's blocks (`batch` with anchors
+    and prefix lengths: `_blocks`)."""
+    tokens, lens = batch.tokens, batch.lens
+    feats = batch.feats.astype(jnp.float32)
     params = with_stats(params, frozen.stats)
     s = tokens.shape[1]
     gamma = cfg.block
-    anchors, prefix = batch["pos"], batch["prefix"]
+    anchors, prefix = batch.pos, batch.prefix
     h = d2sd.train_forward(cfg, params, frozen.embed, tokens, feats, anchors, prefix, gamma)
     hsel = h[:, :, 1:]
     tpos = anchors[..., None] + jnp.arange(1, gamma)[None, None]
-    valid = batch["valid"][..., None] & (tpos < lens[:, None, None])
+    valid = batch.valid[..., None] & (tpos < lens[:, None, None])
     b, n, kk = tpos.shape
     tpc = jnp.minimum(tpos, s - 1).reshape(b, n * kk)
     hard = frozen.to_draft[jnp.take_along_axis(tokens, tpc, axis=1)].reshape(b, n, kk)
@@ -122,7 +125,7 @@ def forward_blocks(cfg: DrafterConfig, params: Params, frozen: Frozen,
 
 @functools.partial(jax.jit, static_argnames=("cfg", "tx", "tau"),
                    donate_argnames=("params", "opt_state"))
-def train_step(params: Params, opt_state: Any, frozen: Frozen, batch: dict[str, jax.Array],
+def train_step(params: Params, opt_state: Any, frozen: Frozen, batch: Batch,
                *, cfg: DrafterConfig, tx: Any, tau: float
                ) -> tuple[Params, Any, dict[str, jax.Array]]:
 
@@ -137,25 +140,24 @@ def train_step(params: Params, opt_state: Any, frozen: Frozen, batch: dict[str, 
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "tau"))
-def eval_step(params: Params, frozen: Frozen, batch: dict[str, jax.Array], *,
+def eval_step(params: Params, frozen: Frozen, batch: Batch, *,
               cfg: DrafterConfig, tau: float) -> dict[str, jax.Array]:
     return block_loss(*forward_blocks(cfg, params, frozen, batch), tau=tau)[1]
 
 
 def _blocks(args: argparse.Namespace, rows: Rows, seq: int, idx: list[int], feat_idx: list[int],
-            gamma: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+            gamma: int, rng: np.random.Generator) -> Batch:
+    """Rows `idx` with `--anchors` anchors a row and a prefix length for each."""
     b = make_batch(rows, idx, seq, feat_idx)
-    b["pos"], b["valid"] = sample_positions(rng, b["lens"], b["plens"], args.anchors, 0, 2)
-    b["prefix"] = prefix_lengths(rng, b["pos"].shape, gamma, args.beta)
-    return b
+    pos, valid = sample_positions(rng, b.lens, b.plens, args.anchors, 0, 2)
+    return b.at(pos, valid, prefix_lengths(rng, pos.shape, gamma, args.beta))
 
 
 def batch_for_step(args: argparse.Namespace, rows: Rows, plan: list, step: int,
-                   feat_idx: list[int], gamma: int) -> dict[str, np.ndarray]:
-    """Batch `step`: a pure function of (seed, step) (resumable, deterministic)."""
-    epoch, i = divmod(step, len(plan))
-    perm = np.random.default_rng([args.seed, epoch]).permutation(len(plan))
-    seq, idx = plan[perm[i]]
+                   feat_idx: list[int], gamma: int) -> Batch:
+    """Batch `step`: a pure function of (seed, step) (resumable, deterministic; the plan
+    visited as `train.batches.plan_entry` visits it)."""
+    epoch, i, seq, idx = plan_entry(args, plan, step)
     return _blocks(args, rows, seq, idx, feat_idx, gamma,
                    np.random.default_rng([args.seed, epoch, i, 2]))
 
@@ -166,8 +168,7 @@ def evaluate(args: argparse.Namespace, rows: Rows, plan: list, feat_idx: list[in
     for j, (seq, idx) in enumerate(plan):
         b = _blocks(args, rows, seq, idx, feat_idx, cfg.block,
                     np.random.default_rng([args.seed, 10**6 + j]))
-        m = eval_step(params, frozen, {k: jnp.asarray(v) for k, v in b.items()}, cfg=cfg,
-                      tau=args.tau)
+        m = eval_step(params, frozen, to_device(None, b), cfg=cfg, tau=args.tau)
         for k, v in m.items():
             acc.setdefault(k, []).append(float(v))
     return {k: float(np.mean(v)) for k, v in acc.items()}
@@ -201,8 +202,8 @@ def run(args: argparse.Namespace) -> int:
 
     def step_fn(params, opt_state, step):
         batch = batch_for_step(args, rows, plan, step, feat_idx, gamma)
-        return train_step(params, opt_state, frozen, {k: jnp.asarray(v) for k, v in batch.items()},
-                          cfg=cfg, tx=tx, tau=args.tau)
+        return train_step(params, opt_state, frozen, to_device(None, batch), cfg=cfg, tx=tx,
+                          tau=args.tau)
 
     loop = Loop(step=step_fn, shown=("loss", "acc_first", "tau_sim"), eval_at_start=True,
                 evaluate=(lambda p: evaluate(args, held, held_plan, feat_idx, cfg, p, frozen))

@@ -1,6 +1,6 @@
 """Training data of the drafters: datagen shards as token rows + cached target features,
-the draft vocabulary, feature statistics, and length-bucketed batches (functions of (seed,
-step), so a resumed run draws the batches the uninterrupted one would have)."""
+the draft vocabulary, feature statistics, and length-bucketed batches (`Batch`; functions of
+(seed, step), so a resumed run draws the batches the uninterrupted one would have)."""
 
 from __future__ import annotations
 
@@ -140,24 +140,57 @@ def window(n: int, plen: int, seq: int) -> tuple[int, int]:
     return off, max(1, plen - off)
 
 
-def make_batch(rows: Rows, idx: list[int], seq: int, feat_idx: list[int]) -> dict[str, np.ndarray]:
-    """Right-padded [B, seq] batch; rows longer than seq keep their last seq tokens."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """A drafter training batch: host NumPy arrays from `make_batch`, the same pytree of
+    device arrays once placed (`train.batches.to_device`; rows over `data` on a mesh).
+
+    A pytree of arrays only (every field is data): the shapes (B rows, S the sequence bucket,
+    N positions a row) are what a jitted step compiles for. The fields a step does not read
+    may be None.
+    """
+
+    tokens: Any  # i32[B, S] right-padded rows (a row longer than S keeps its last S tokens)
+    lens: Any  # i32[B] tokens kept per row
+    plens: Any  # i32[B] prompt tokens kept per row (>= 1)
+    feats: Any  # f16[B, S, F, D] the target's features at the drafter's F layers
+    final: Any  # f16[B, S, D] the target's final-normed hidden state
+    pos: Any = None  # i32[B, N] sampled chain starts (EAGLE-3) / block anchors (DFlash, D²SD)
+    valid: Any = None  # bool[B, N] which of `pos` are real (a short row has fewer)
+    prefix: Any = None  # i32[B, N] D²SD only: the known slots of each block
+
+    @classmethod
+    def of(cls, batch: Any) -> Batch:
+        """`batch` as a Batch: a Batch as it is, or a mapping of its field names to arrays (the
+        rollout batch of `train.step` and the abstract batch of `train.aot` are such dicts)."""
+        return batch if isinstance(batch, cls) else cls(**batch)
+
+    def at(self, pos: Any, valid: Any, prefix: Any = None) -> Batch:
+        """The batch with its sampled positions pos i32[B, N], valid bool[B, N] (and D²SD's
+        prefix lengths i32[B, N])."""
+        return dataclasses.replace(self, pos=pos, valid=valid, prefix=prefix)
+
+
+def make_batch(rows: Rows, idx: list[int], seq: int, feat_idx: list[int]) -> Batch:
+    """Right-padded [B, seq] batch of rows `idx` (no positions yet: `Batch.at`); rows longer
+    than seq keep their last seq tokens."""
     b = len(idx)
     d = rows.feats[0].shape[-1]
-    out = {"tokens": np.zeros((b, seq), np.int32), "lens": np.zeros((b,), np.int32),
-           "plens": np.zeros((b,), np.int32),
-           "feats": np.zeros((b, seq, len(feat_idx), d), np.float16),
-           "final": np.zeros((b, seq, d), np.float16)}
+    tokens, lens = np.zeros((b, seq), np.int32), np.zeros((b,), np.int32)
+    plens = np.zeros((b,), np.int32)
+    feats = np.zeros((b, seq, len(feat_idx), d), np.float16)
+    final = np.zeros((b, seq, d), np.float16)
     for i, r in enumerate(idx):
         t, f, p = rows.tokens[r], rows.feats[r], rows.plens[r]
         off, p = window(len(t), p, seq)
         t, f = t[off:], f[off:]
         n = len(t)
-        out["tokens"][i, :n] = t
-        out["feats"][i, :n] = f[:, feat_idx]
-        out["final"][i, :n] = f[:, -1]
-        out["lens"][i], out["plens"][i] = n, p
-    return out
+        tokens[i, :n] = t
+        feats[i, :n] = f[:, feat_idx]
+        final[i, :n] = f[:, -1]
+        lens[i], plens[i] = n, p
+    return Batch(tokens=tokens, lens=lens, plens=plens, feats=feats, final=final)
 
 
 def batches_for(rows: Rows, seq_buckets: tuple[int, ...], tokens_per_batch: int

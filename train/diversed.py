@@ -51,20 +51,30 @@ from train.loop import finish_checkpoints
 DEFAULT_PROMPTS = "math:64-364"  # the training split of the math set (train.datagen.SPLITS)
 
 
-def loss_fn(head: Any, batch: dict[str, jax.Array], reg: float) -> tuple[jax.Array, dict]:
-    """REINFORCE with a baseline plus the acceptance regulariser, over recorded tokens.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RolloutBatch:
+    """One rollout batch of B prompts, N new tokens each: what `Diversed(record=True)` kept of
+    every committed token, and the rewards."""
 
-    batch: p_y, q_y, tv f32[B, N]; mask bool[B, N] (tokens decided by ν, inside the output);
-    feats f32[B, N, Din]; adv f32[B] (reward − baseline).
-    """
+    p_y: jax.Array  # f32[B, N] the target's probability of the token
+    q_y: jax.Array  # f32[B, N] the drafter's probability of the token
+    tv: jax.Array  # f32[B, N] TV(p, q) where the token was drafted
+    mask: jax.Array  # bool[B, N] tokens decided by ν, inside the output
+    feats: jax.Array  # f32[B, N, Din] the head's inputs (Din 0 for a scalar head)
+    adv: jax.Array  # f32[B] reward − baseline
 
-    feats = batch["feats"] if batch["feats"].shape[-1] else None
-    logp, w = ensemble_logprob(head, 0.5, batch["p_y"], batch["q_y"], feats)
-    mask = batch["mask"].astype(jnp.float32)
+
+def loss_fn(head: Any, batch: RolloutBatch, reg: float) -> tuple[jax.Array, dict]:
+    """REINFORCE with a baseline plus the acceptance regulariser, over recorded tokens."""
+
+    feats = batch.feats if batch.feats.shape[-1] else None
+    logp, w = ensemble_logprob(head, 0.5, batch.p_y, batch.q_y, feats)
+    mask = batch.mask.astype(jnp.float32)
     ntok = jnp.maximum(jnp.sum(mask), 1.0)
     seq_logp = jnp.sum(logp * mask, axis=1)  # [B]
-    pg = -jnp.sum(batch["adv"] * seq_logp) / ntok
-    accept_term = jnp.sum(w * batch["tv"] * mask) / ntok  # = 1 − expected acceptance
+    pg = -jnp.sum(batch.adv * seq_logp) / ntok
+    accept_term = jnp.sum(w * batch.tv * mask) / ntok  # = 1 − expected acceptance
     loss = pg + reg * accept_term
     return loss, {"pg": pg, "w": jnp.sum(w * mask) / ntok,
                   "sim_accept": 1.0 - accept_term}
@@ -173,8 +183,8 @@ def run(args: argparse.Namespace) -> int:
         mask = st.relaxed & (jnp.arange(n)[None] < res.lengths[:, None])
         # The running-mean baseline starts from the first batch's mean reward.
         adv = jnp.asarray(rew) - (baseline if step > 0 else float(rew.mean()))
-        batch = {"p_y": st.p_y, "q_y": st.q_y, "tv": st.tv, "mask": mask, "feats": st.feats,
-                 "adv": adv}
+        batch = RolloutBatch(p_y=st.p_y, q_y=st.q_y, tv=st.tv, mask=mask, feats=st.feats,
+                             adv=adv)
         params, opt_state, m = update(params, opt_state, batch)
         baseline = (float(rew.mean()) if step == 0 else
                     args.baseline_decay * baseline + (1 - args.baseline_decay) * float(rew.mean()))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -13,21 +14,21 @@ from jax.sharding import Mesh
 from jspec import sharding
 from jspec.drafters.trained import DrafterConfig, Frozen, Params, draft_logits, with_stats
 from train.batches import positions, to_device
-from train.data import make_batch
+from train.data import Batch, make_batch
 from train.recipes import RECIPES
 from train.update import eval_step
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "cfg"))
-def greedy_drafts(params: Params, frozen: Frozen, batch: dict[str, jax.Array], pos: jax.Array,
+def greedy_drafts(params: Params, frozen: Frozen, batch: Batch, pos: jax.Array,
                   *, kind: str, cfg: DrafterConfig) -> tuple[jax.Array, jax.Array]:
     """What greedy decoding drafts along a batch of text: for every position i32[B, M] of
     `pos` (a chain start / an anchor), (drafts i32[B, M, K], first i32[B, M]): the drafter's
     argmax draft-vocabulary indices for the K tokens from position `first` on, drafted from the
     text before them (the drafter's own outputs in between, as in decoding)."""
     params = with_stats(params, frozen.stats)
-    hsel, tpos = RECIPES[kind].hidden(cfg, params, frozen.embed, batch["tokens"],
-                                      batch["feats"].astype(jnp.float32), pos)
+    hsel, tpos = RECIPES[kind].hidden(cfg, params, frozen.embed, batch.tokens,
+                                      batch.feats.astype(jnp.float32), pos)
     drafts = jnp.argmax(draft_logits(cfg, params, frozen.head, hsel), axis=-1)
     return drafts.astype(jnp.int32), tpos[..., 0]
 
@@ -55,19 +56,21 @@ def replay_rounds(target: np.ndarray, drafts: np.ndarray, start: int) -> tuple[i
     return max(n - start, 0), rounds
 
 
-def drafts_along(params: Params, frozen: Frozen, b: dict[str, np.ndarray], cfg: DrafterConfig,
+def drafts_along(params: Params, frozen: Frozen, b: Batch, cfg: DrafterConfig,
                  mesh: Mesh | None = None) -> np.ndarray:
     """i32[B, S, K] (host): `greedy_drafts` of a batch's rows indexed by the first drafted
     position (-1 where nothing is drafted from there)."""
-    rows, s = b["tokens"].shape
+    rows, s = b.tokens.shape
     chunk = RECIPES[cfg.kind].replay_chunk or s
     drafts = None
     for c in range(0, s, chunk):
         pos = np.minimum(np.arange(c, c + chunk, dtype=np.int32), s - 1)
-        # Placed like the batch (rows over `data` on a mesh; every process holds all of it).
-        dev = to_device(mesh, {"tokens": b["tokens"], "feats": b["feats"], "lens": b["lens"],
-                                "pos": np.ascontiguousarray(np.broadcast_to(pos, (rows, chunk)))})
-        d, first = sharding.to_host(greedy_drafts(params, frozen, dev, dev["pos"],
+        # Placed like the batch (rows over `data` on a mesh; every process holds all of it),
+        # without what the drafts do not read.
+        dev = to_device(mesh, dataclasses.replace(
+            b, plens=None, final=None, valid=None, prefix=None,
+            pos=np.ascontiguousarray(np.broadcast_to(pos, (rows, chunk)))))
+        d, first = sharding.to_host(greedy_drafts(params, frozen, dev, dev.pos,
                                                   kind=cfg.kind, cfg=cfg))
         if drafts is None:
             drafts = np.full((rows, s, d.shape[-1]), -1, np.int32)
@@ -77,15 +80,15 @@ def drafts_along(params: Params, frozen: Frozen, b: dict[str, np.ndarray], cfg: 
     return drafts
 
 
-def replay_batch(params: Params, frozen: Frozen, b: dict[str, np.ndarray], cfg: DrafterConfig,
+def replay_batch(params: Params, frozen: Frozen, b: Batch, cfg: DrafterConfig,
                  mesh: Mesh | None = None) -> tuple[int, int]:
     """(tokens emitted, rounds) of `replay_rounds` summed over a batch's rows."""
-    tokens = b["tokens"]
+    tokens = b.tokens
     drafts = drafts_along(params, frozen, b, cfg, mesh)
     to_draft = np.asarray(frozen.to_draft)
     emitted = rounds = 0
     for i in range(len(tokens)):
-        n, p = int(b["lens"][i]), int(b["plens"][i])  # p >= 1: drafts exist from p + 1 on
+        n, p = int(b.lens[i]), int(b.plens[i])  # p >= 1: drafts exist from p + 1 on
         e, r = replay_rounds(to_draft[tokens[i, :n]], drafts[i, :n], p + 1)
         emitted, rounds = emitted + e, rounds + r
     return emitted, rounds
@@ -104,7 +107,7 @@ def evaluate(args, rows, plan, feat_idx, cfg, params, frozen, mesh=None) -> dict
         seq, idx = plan[j]
         b = make_batch(rows, idx, seq, feat_idx)
         rng = np.random.default_rng([args.seed, 10**6 + j])
-        b["pos"], b["valid"] = positions(args, cfg.kind, rng, b["lens"], b["plens"])
+        b = b.at(*positions(args, cfg.kind, rng, b.lens, b.plens))
         m = eval_step(params, frozen, to_device(mesh, b), kind=cfg.kind, cfg=cfg)
         for k, v in m.items():
             acc.setdefault(k, []).append(float(v))

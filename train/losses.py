@@ -20,6 +20,7 @@ from jspec.drafters.trained import (
     with_stats,
 )
 from jspec.models.blocks import dense
+from train.data import Batch
 from train.recipes import RECIPES, base_weight
 
 
@@ -69,7 +70,7 @@ def block_loss(kind: str, logits: jax.Array, t_logits: jax.Array, hard: jax.Arra
 
 
 def forward_blocks(kind: str, cfg: DrafterConfig, params: Params, frozen: Frozen,
-                   batch: dict[str, jax.Array], matmul_dtype: Any = jnp.float32,
+                   batch: Batch, matmul_dtype: Any = jnp.float32,
                    with_target_hidden: bool = False) -> tuple[jax.Array, ...]:
     """(logits, target logits, hard, valid, vh) for the sampled blocks of a batch, and with
     `with_target_hidden` the target's final hidden state f32[N, K, D] that gives each position's
@@ -77,14 +78,14 @@ def forward_blocks(kind: str, cfg: DrafterConfig, params: Params, frozen: Frozen
 
     matmul_dtype: the operands of the drafter's matmuls and of the draft head (float32
     accumulation either way; the parameters and their gradients stay float32)."""
-    tokens, lens = batch["tokens"], batch["lens"]
-    feats = batch["feats"].astype(jnp.float32)
-    final = batch["final"].astype(jnp.float32)
+    tokens, lens = batch.tokens, batch.lens
+    feats = batch.feats.astype(jnp.float32)
+    final = batch.final.astype(jnp.float32)
     head, to_draft = frozen.head.astype(matmul_dtype), frozen.to_draft
     params = cast_matrices(with_stats(params, frozen.stats), matmul_dtype)
     s = tokens.shape[1]
-    hsel, tpos = RECIPES[kind].hidden(cfg, params, frozen.embed, tokens, feats, batch["pos"])
-    valid = batch["valid"][..., None] & (tpos < lens[:, None, None])
+    hsel, tpos = RECIPES[kind].hidden(cfg, params, frozen.embed, tokens, feats, batch.pos)
+    valid = batch.valid[..., None] & (tpos < lens[:, None, None])
     tpc = jnp.minimum(tpos, s - 1)
     b, n, kk = tpc.shape
     fh = jnp.take_along_axis(final, (tpc - 1).reshape(b, n * kk)[..., None], axis=1)

@@ -42,14 +42,14 @@ from jspec.drafters.trained import (
 from jspec.errors import JspecError
 from jspec.models.model import load_model
 from train import drafter_cli
-from train.batches import positions
-from train.data import make_batch, training_data
+from train.batches import positions, to_device
+from train.data import Batch, make_batch, training_data
 from train.losses import forward_blocks
 from train.recipes import RECIPES
 
 
 def acceptance(kind: str, cfg: DrafterConfig, params: Params, frozen: Frozen,
-               batch: dict[str, jax.Array], temperature: float, scales: tuple[float, ...]
+               batch: Batch, temperature: float, scales: tuple[float, ...]
                ) -> tuple[jax.Array, jax.Array]:
     """(alpha f32[S, N, K] for each scale, valid bool[N, K]) over a batch's N blocks of K
     positions: alpha = sum_v min(p(v), q_s(v)), p = softmax(target logits / T) over the whole
@@ -112,10 +112,10 @@ def run(args: argparse.Namespace) -> int:
     alpha_sum, chain_sum, blocks = 0.0, np.zeros(len(scales)), 0
     bar = tqdm(plan, desc="qtemp", unit="batch")
     for j, (seq, idx) in enumerate(bar):
-        b: dict[str, Any] = make_batch(held, idx, seq, feat_idx)
+        b = make_batch(held, idx, seq, feat_idx)
         rng = np.random.default_rng([args.seed, 10**6 + j])  # the training run's eval blocks
-        b["pos"], b["valid"] = positions(rargs, cfg.kind, rng, b["lens"], b["plens"])
-        alpha, valid = step({k: jnp.asarray(v) for k, v in b.items()})
+        b = b.at(*positions(rargs, cfg.kind, rng, b.lens, b.plens))
+        alpha, valid = step(to_device(None, b))
         full = np.asarray(valid).all(axis=1)  # blocks whose every position is in the row
         alpha = np.asarray(alpha)[:, full]
         alpha_sum = alpha_sum + alpha.sum(axis=1)

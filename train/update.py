@@ -14,11 +14,12 @@ from jax.sharding import Mesh
 from jspec import sharding
 from jspec.drafters.trained import DrafterConfig, Frozen, Params
 from train.batches import batch_sharding
+from train.data import Batch
 from train.losses import block_loss, forward_blocks
 
 
 def shard_for_training(mesh: Mesh, cfg: DrafterConfig, params: Params, opt_state: Any,
-                       frozen: Frozen, batch: dict[str, Any] | None = None
+                       frozen: Frozen, batch: Batch | None = None
                        ) -> tuple[Any, ...]:
     """Place the training inputs on `mesh` through the rules table.
 
@@ -43,12 +44,14 @@ def shard_for_training(mesh: Mesh, cfg: DrafterConfig, params: Params, opt_state
                                              "matmul_dtype"),
                    donate_argnames=("params", "opt_state"))
 def train_step(params: Params, opt_state: Any, frozen: Frozen,
-               batch: dict[str, jax.Array], *, kind: str, cfg: DrafterConfig, tx: Any,
+               batch: Batch, *, kind: str, cfg: DrafterConfig, tx: Any,
                vat_head: bool, vat_weight: bool, mesh: Mesh | None = None,
                matmul_dtype: str = "float32") -> tuple[Params, Any, dict[str, jax.Array]]:
-    """One optimizer step. `mesh` (static): keep params / moments / batch in their rules-table
-    layout (`shard_for_training`); the gradient all-reduce over `data` is the compiler's.
+    """One optimizer step on `batch` (a `Batch` with positions, or a dict of its fields).
+    `mesh` (static): keep params / moments / batch in their rules-table layout
+    (`shard_for_training`); the gradient all-reduce over `data` is the compiler's.
     `matmul_dtype`: "float32" or "bfloat16" operands in the forward and backward matmuls."""
+    batch = Batch.of(batch)
 
     def pin(p, o):
         if mesh is None:
@@ -73,8 +76,9 @@ def train_step(params: Params, opt_state: Any, frozen: Frozen,
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "cfg"))
-def eval_step(params: Params, frozen: Frozen, batch: dict[str, jax.Array], *,
+def eval_step(params: Params, frozen: Frozen, batch: Batch, *,
               kind: str, cfg: DrafterConfig) -> dict[str, jax.Array]:
+    """`block_loss`'s metrics (with the VAT head's BCE) on a held-out batch."""
     out = forward_blocks(kind, cfg, params, frozen, batch)
     return block_loss(kind, *out, vat_head=True, vat_weight=False)[1]
 
