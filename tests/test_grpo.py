@@ -93,7 +93,7 @@ def test_rl_step_compiles_once_and_updates_the_policy():
     np.testing.assert_array_equal(np.asarray(policy.weights.lm_head),
                                   np.asarray(model.weights.embed).T)
     tx = grpo.optimizer(args)
-    opt_state = tx.init(params)
+    params, opt_state = grpo.init_state(params, drafter, tx, None)
     step = grpo.make_step(cfg, policy.config, tx)
     before = jax.tree.map(np.array, params)  # copies: params are donated
     batch, key = grpo.step_batch(tasks, cfg, args.seed, 0)
@@ -101,6 +101,7 @@ def test_rl_step_compiles_once_and_updates_the_policy():
     params, opt_state, m, tokens = step(frozen, params, opt_state, drafter, batch,
                                         jnp.asarray(cls), key)
     assert 0 < float(m["reward"]) < 1 and float(m["grad_norm"]) > 0
+    assert params["drafter"] is None and "drafter_loss" not in m
     moved = [not np.array_equal(a, np.asarray(b)) for a, b in
              zip(jax.tree.leaves(before), jax.tree.leaves(params), strict=True)]
     assert all(moved)
@@ -153,3 +154,48 @@ def test_real_model_step(tmp_path):
     host = np.mean([math_correct(str(a), model.decode(t)) for a, t in
                     zip(np.asarray(batch.answers), np.asarray(tokens), strict=True)])
     assert float(m["reward"]) == pytest.approx(host)
+
+
+def test_online_drafter_step_trains_the_drafter_inside_the_rl_step():
+    """--drafter-lr: the RL step also trains its EAGLE-3 drafter (inside an +ngram proposer) on
+    the rollout's features: the drafter's parameters move, its loss is finite, the policy's
+    log-probs still match, one compile."""
+    import optax
+    from test_rl import _build
+
+    from jspec.drafters.ngram import LookupFirst
+
+    model, _, tasks, cls, cfg = _setup()
+    args = _args(None, 3)
+    frozen, params = grpo.split_policy(model.weights, args.train_layers)
+    policy = dataclasses.replace(model, config=model.config.replace(tie_embeddings=False),
+                                 weights=grpo.merge(frozen, params))
+    inner = _build("eagle3", model.weights, model.name)
+    drafter = LookupFirst(inner=inner)
+    assert grpo.trained_part(drafter) is inner
+    assert grpo.with_trained_part(drafter, inner) == drafter
+    tx, dtx = grpo.optimizer(args), optax.adam(1e-2)
+    state, opt = grpo.init_state(params, drafter, tx, dtx)
+    before = jax.tree.map(np.array, state["drafter"])
+    step = grpo.make_step(cfg, policy.config, tx, dtx)
+    for i in range(3):
+        batch, key = grpo.step_batch(tasks, cfg, args.seed, i)
+        state, opt, m, _ = step(frozen, state, opt, drafter, batch, jnp.asarray(cls), key)
+        assert np.isfinite(float(m["drafter_loss"])) and float(m["ratio_dev"]) < 1e-4
+    assert step._cache_size() == 1
+    moved = [not np.array_equal(a, np.asarray(b)) for a, b in
+             zip(jax.tree.leaves(before), jax.tree.leaves(state["drafter"]), strict=True)]
+    assert any(moved)
+
+
+def test_held_out_tasks_exclude_the_training_expressions():
+    from train.grpo_bench import held_out
+
+    def tasks(texts):
+        n = len(texts)
+        return Tasks(np.arange(n)[:, None], np.ones(n, np.int32), np.arange(n), tuple(texts))
+
+    got = held_out(tasks(["1 + 2", "3 * 4"]), tasks(["3 * 4", "5 - 1", "1 + 2", "6 * 7"]), 2)
+    assert got.texts == ("5 - 1", "6 * 7") and list(got.answers) == [1, 3]
+    with pytest.raises(SystemExit, match="only 2 held-out"):
+        held_out(tasks(["1 + 2"]), tasks(["1 + 2", "5 - 1", "6 * 7"]), 3)

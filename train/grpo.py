@@ -14,7 +14,10 @@ One step (`make_step`, one `jax.jit`, compiled once):
      is 1 up to float32 rounding and the gradient is REINFORCE with group baselines; they
      matter once a rollout is reused), averaged over each completion's tokens, then over rows;
      no KL term (Dr. GRPO / DAPO drop it);
-  5. an Optax update (AdamW, clipping, `train.loop.optimizer`).
+  5. an Optax update (AdamW, clipping, `train.loop.optimizer`);
+  6. with `--drafter-lr` > 0, an online drafter step: the EAGLE-3 / DFlash drafter trains on
+     the rollout it just drafted (`train.step.drafter_step` on the target features that
+     `generate(..., features=True)` returned), so it follows the policy beyond re-binding.
 
 What trains: the last `--train-layers` decoder layers, the final norm and the LM head (untied from
 the input embedding, so the gradient never runs through the frozen layers below). A step with all
@@ -43,6 +46,7 @@ import numpy as np
 import optax
 
 import jspec
+from jspec.drafters.base import Proposer
 from jspec.errors import JspecError
 from jspec.models import KVCache, forward
 from jspec.models.llama import lm_logits
@@ -50,6 +54,7 @@ from jspec.models.model import Model
 from jspec.tasks import math_correct
 from train.grpo_tasks import Tasks, answer_reward, arithmetic_tasks, token_classes
 from train.loop import Loop, optimizer, run_loop
+from train.step import drafter_step, init_opt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +68,7 @@ class GRPOConfig:
     ppo_clip: float = 0.2  # PPO ratio clip ε
     k: int = 2  # drafted tokens per round (ignored without a drafter)
     rebind: bool = True  # bind the drafter to the current weights before each rollout
+    drafter_positions: int = 8  # online drafter step: chain starts drawn per rollout row
 
     def __post_init__(self):
         if self.prompts < 1 or self.group < 2:
@@ -136,9 +142,39 @@ def group_advantages(rewards: jax.Array, group: int) -> jax.Array:
     return adv.reshape(-1)
 
 
+def trained_part(drafter: Any) -> Any:
+    """The EAGLE-3 / DFlash drafter that an online step trains, inside its proposers."""
+    return trained_part(drafter.inner) if isinstance(drafter, Proposer) else drafter
+
+
+def with_trained_part(drafter: Any, part: Any) -> Any:
+    """`drafter` with `trained_part(drafter)` replaced by `part`."""
+    if isinstance(drafter, Proposer):
+        return dataclasses.replace(drafter, inner=with_trained_part(drafter.inner, part))
+    return part
+
+
+def init_state(params: dict, drafter: Any, tx: optax.GradientTransformation,
+               dtx: optax.GradientTransformation | None) -> tuple[dict, tuple]:
+    """The RL step's carried state: ({"policy": params, "drafter": the trained drafter's
+    parameters or None}, (the policy's optax state, the drafter's or None)). `dtx` None: no
+    online drafter step."""
+    if dtx is None:
+        return {"policy": params, "drafter": None}, (tx.init(params), None)
+    part = trained_part(drafter)
+    return {"policy": params, "drafter": part.params}, (tx.init(params), init_opt(part, dtx))
+
+
 def _rl_step(cfg: GRPOConfig, mcfg: jspec.ModelConfig, tx: optax.GradientTransformation,
-             frozen: jspec.Weights, params: dict, opt_state: Any, drafter: Any, batch: Batch,
-             classes: jax.Array, key: jax.Array) -> tuple[dict, Any, dict, jax.Array]:
+             dtx: optax.GradientTransformation | None, frozen: jspec.Weights, state: dict,
+             opt_state: tuple, drafter: Any, batch: Batch, classes: jax.Array,
+             key: jax.Array) -> tuple[dict, tuple, dict, jax.Array]:
+    params, dparams = state["policy"], state["drafter"]
+    opt_state, dopt = opt_state
+    online = dparams is not None
+    if online:  # the drafter as the online steps left it
+        drafter = with_trained_part(drafter, dataclasses.replace(trained_part(drafter),
+                                                                  params=dparams))
     weights = merge(frozen, params)
     if drafter is not None and cfg.rebind:
         drafter = jspec.bind(drafter, weights)
@@ -146,7 +182,8 @@ def _rl_step(cfg: GRPOConfig, mcfg: jspec.ModelConfig, tx: optax.GradientTransfo
         out = jspec.generate(Model(config=mcfg, weights=weights), batch.ids, batch.lens,
                              drafter=drafter, max_new_tokens=cfg.max_new_tokens, key=key,
                              sampling=jspec.Sampling(temperature=cfg.temperature),
-                             length=None if drafter is None else jspec.FixedLength(cfg.k))
+                             length=None if drafter is None else jspec.FixedLength(cfg.k),
+                             features=online)
     with jax.named_scope("reward"):
         reward = answer_reward(out.tokens, batch.answers, classes)
         adv = group_advantages(reward, cfg.group)[:, None]
@@ -171,14 +208,23 @@ def _rl_step(cfg: GRPOConfig, mcfg: jspec.ModelConfig, tx: optax.GradientTransfo
                "tau": st.emitted.sum() / jnp.maximum(st.rounds.sum(), 1),
                "accept": st.accepted.sum() / jnp.maximum(st.drafted.sum(), 1),
                "tokens": out.lengths.sum()}
-    return params, opt_state, metrics, out.tokens
+    if online:
+        with jax.named_scope("drafter_step"):
+            part, dopt, dm = drafter_step(trained_part(drafter), dopt, out, batch.lens,
+                                          jax.random.fold_in(key, 1), tx=dtx,
+                                          positions=cfg.drafter_positions)
+        dparams = part.params
+        metrics["drafter_loss"] = dm["loss"]
+    return {"policy": params, "drafter": dparams}, (opt_state, dopt), metrics, out.tokens
 
 
-def make_step(cfg: GRPOConfig, mcfg: jspec.ModelConfig, tx: optax.GradientTransformation):
-    """The jitted RL step `(frozen, params, opt_state, drafter, batch, classes, key) ->
-    (params, opt_state, metrics, tokens i32[P*G, N])`; params and opt_state are donated."""
-    return jax.jit(functools.partial(_rl_step, cfg, mcfg, tx),
-                   donate_argnames=("params", "opt_state"))
+def make_step(cfg: GRPOConfig, mcfg: jspec.ModelConfig, tx: optax.GradientTransformation,
+              dtx: optax.GradientTransformation | None = None):
+    """The jitted RL step `(frozen, state, opt_state, drafter, batch, classes, key) -> (state,
+    opt_state, metrics, tokens i32[P*G, N])` over `init_state`'s state (donated); `dtx`: the
+    online drafter step's optimizer (None: no online step)."""
+    return jax.jit(functools.partial(_rl_step, cfg, mcfg, tx, dtx),
+                   donate_argnames=("state", "opt_state"))
 
 
 def step_batch(tasks: Tasks, cfg: GRPOConfig, seed: int, step: int) -> tuple[Batch, jax.Array]:
@@ -196,13 +242,15 @@ def train(model: Model, drafter: Any, tasks: Tasks, classes: np.ndarray, cfg: GR
           args: argparse.Namespace, out: Path, decode: Any = None) -> tuple[dict, Any, int]:
     """Run GRPO from the last checkpoint in `out/ckpt` to `args.steps` (or `args.stop_after`).
     `args` holds the optimizer's settings (`train.loop.optimizer`), train_layers, seed,
-    steps, ckpt_every, stop_after. `decode` (ids -> text), when given, adds the host check of
-    the reward (`jspec.tasks.math_correct` on the decoded text) to the log."""
+    steps, ckpt_every, stop_after, drafter_lr (optional). `decode` (ids -> text), when given,
+    adds the host check of the reward (`jspec.tasks.math_correct` on the decoded text) to the
+    log. Returns (`init_state`'s state, the optax states, the last step)."""
     frozen, params = split_policy(model.weights, args.train_layers)
     mcfg = model.config.replace(tie_embeddings=False)
     tx = optimizer(args)
-    opt_state = tx.init(params)
-    step_fn = make_step(cfg, mcfg, tx)
+    dtx = drafter_optimizer(args, drafter)
+    params, opt_state = init_state(params, drafter, tx, dtx)
+    step_fn = make_step(cfg, mcfg, tx, dtx)
     classes = jnp.asarray(classes)
 
     def step(params: dict, opt_state: Any, i: int) -> tuple[dict, Any, dict]:
@@ -223,6 +271,17 @@ def train(model: Model, drafter: Any, tasks: Tasks, classes: np.ndarray, cfg: GR
                     eval_every=0, stop_after=args.stop_after)
 
 
+def drafter_optimizer(args: argparse.Namespace, drafter: Any
+                      ) -> optax.GradientTransformation | None:
+    """Adam at `--drafter-lr` for the online drafter step (None when it is 0)."""
+    lr = getattr(args, "drafter_lr", 0.0)
+    if not lr:
+        return None
+    if drafter is None:
+        raise JspecError("--drafter-lr trains the rollout drafter: give one (not --drafter none)")
+    return optax.adam(lr)
+
+
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -241,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
           f"training the last {args.train_layers} layers + final norm + LM head", flush=True)
     if args.evaluate:
         from train.grpo_bench import evaluate  # noqa: PLC0415
-        evaluate(model, classes, cfg, args)
+        evaluate(model, drafter, classes, cfg, args)
         return 0
     if args.bench_rollouts:
         from train.grpo_bench import bench_rollouts  # noqa: PLC0415
@@ -276,6 +335,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--train-layers", type=int, default=2,
                    help="last decoder layers trained (with the final norm and LM head)")
     p.add_argument("--lr", type=float, default=5e-5, help="AdamW peak learning rate")
+    p.add_argument("--drafter-lr", type=float, default=0.0,
+                   help="online drafter step after each policy update: Adam at this rate on "
+                        "the rollout's target features (EAGLE-3 / DFlash; 0: none, the "
+                        "drafter only re-binds)")
     p.add_argument("--warmup", type=int, default=0, help="warmup steps")
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
     p.add_argument("--weight-decay", type=float, default=0.0)
@@ -293,6 +356,7 @@ def add_parser(sub: Any) -> None:
                         "drafter and R without, alternating, and print tokens/s (grpo_bench)")
     p.add_argument("--evaluate", type=int, default=0, metavar="N",
                    help="instead of training: reward of the initial policy and of the last "
-                        "checkpoint in --out on N fixed tasks (seed 1), greedy and G samples "
-                        "each (grpo_bench)")
+                        "checkpoint in --out on the training tasks and on N held-out ones "
+                        "(seed 1, expressions not in training), greedy and G samples each "
+                        "(grpo_bench)")
     p.set_defaults(func=run)

@@ -23,7 +23,7 @@ import numpy as np
 
 import jspec
 from jspec.models.model import Model
-from train.grpo import GRPOConfig, merge, split_policy, step_batch
+from train.grpo import GRPOConfig, drafter_optimizer, init_state, merge, split_policy, step_batch
 from train.grpo_tasks import Tasks, answer_reward, arithmetic_tasks
 from train.loop import optimizer
 
@@ -73,23 +73,42 @@ def bench_rollouts(model: Model, drafter: Any, tasks: Tasks, cfg: GRPOConfig,
     return summary
 
 
-def evaluate(model: Model, classes: np.ndarray, cfg: GRPOConfig, args: argparse.Namespace
-             ) -> dict[str, float]:
-    """Reward of the initial policy and of the last checkpoint in `args.out` on
-    `args.evaluate` tasks generated with seed 1 (a fixed set; the first operations span a
-    small space, so training has likely seen some of them): greedy, and G samples each at
-    the run's temperature with the same keys for both policies (a paired comparison). Plain
-    decoding (speculation changes no distribution), batches of P*G rows."""
+def held_out(train: Tasks, tasks: Tasks, n: int) -> Tasks:
+    """The first `n` of `tasks` whose expression is not among `train`'s (the first operations
+    span a small space: about half of a seed's draws repeat another seed's)."""
+    seen = set(train.texts)
+    keep = [i for i, t in enumerate(tasks.texts) if t not in seen][:n]
+    if len(keep) < n:
+        raise SystemExit(f"only {len(keep)} held-out tasks (asked {n}): raise the pool")
+    return Tasks(tasks.ids[keep], tasks.lens[keep], tasks.answers[keep],
+                 tuple(tasks.texts[i] for i in keep))
+
+
+def evaluate(model: Model, drafter: Any, classes: np.ndarray, cfg: GRPOConfig,
+             args: argparse.Namespace) -> dict[str, float]:
+    """Reward of the initial policy and of the last checkpoint in `args.out` on two fixed sets:
+    the training tasks (`--tasks` of seed 0: what the run optimised) and `args.evaluate`
+    held-out tasks (seed 1, expressions absent from the training set): greedy, and G samples
+    each at the run's temperature with the same keys for both policies (a paired comparison).
+    Plain decoding (speculation changes no distribution), batches of P*G rows."""
     import orbax.checkpoint as ocp  # noqa: PLC0415
 
-    tasks = arithmetic_tasks(model, args.evaluate, seed=1, task=args.task)
+    train = arithmetic_tasks(model, args.tasks, seed=0, task=args.task)
+    sets = {"train": train,
+            "heldout": held_out(train, arithmetic_tasks(model, 20 * args.evaluate, seed=1,
+                                                        task=args.task), args.evaluate)}
     frozen, params0 = split_policy(model.weights, args.train_layers)
     mngr = ocp.CheckpointManager(Path(args.out).resolve() / "ckpt")
     last = mngr.latest_step()
     if last is None:
         raise SystemExit(f"no checkpoint in {args.out}/ckpt")
-    tmpl = {"params": params0, "opt_state": optimizer(args).init(params0)}
-    params1 = mngr.restore(last, args=ocp.args.StandardRestore(tmpl))["params"]
+    state, opt = init_state(params0, drafter, optimizer(args), drafter_optimizer(args, drafter))
+    try:
+        params1 = mngr.restore(last, args=ocp.args.StandardRestore(
+            {"params": state, "opt_state": opt}))["params"]["policy"]
+    except ValueError:  # written before the online drafter step (2026-12-08): the policy alone
+        params1 = mngr.restore(last, args=ocp.args.StandardRestore(
+            {"params": params0, "opt_state": opt[0]}))["params"]
     mcfg = model.config.replace(tie_embeddings=False)
     rows = cfg.prompts * cfg.group
 
@@ -101,19 +120,21 @@ def evaluate(model: Model, classes: np.ndarray, cfg: GRPOConfig, args: argparse.
                              key=key if temperature > 0 else None)
         return answer_reward(out.tokens, answers, classes)
 
-    res = {}
-    for name, p in (("start", params0), (f"step{last}", params1)):
-        for temp, g in ((0.0, 1), (cfg.temperature, cfg.group)):
-            idx = np.repeat(np.arange(len(tasks.answers)), g)
-            total = 0.0
-            for b in range(0, len(idx), rows):
-                real = idx[b:b + rows]  # a short last batch repeats its first task
-                sel = np.concatenate([real, np.full(rows - len(real), real[0])])
-                r = reward(p, tasks.ids[sel], tasks.lens[sel], tasks.answers[sel],
-                           jax.random.fold_in(jax.random.key(1), b), temp)
-                total += float(np.asarray(r)[:len(real)].sum())
-            res[f"{name}_T{temp:g}"] = total / len(idx)
-    res.update(tasks=len(tasks.answers), samples_per_task=cfg.group, loadavg=os.getloadavg()[0])
+    res: dict[str, Any] = {"step": last}
+    for set_name, tasks in sets.items():
+        for name, p in (("start", params0), ("end", params1)):
+            for temp, g in ((0.0, 1), (cfg.temperature, cfg.group)):
+                idx = np.repeat(np.arange(len(tasks.answers)), g)
+                total = 0.0
+                for b in range(0, len(idx), rows):
+                    real = idx[b:b + rows]  # a short last batch repeats its first task
+                    sel = np.concatenate([real, np.full(rows - len(real), real[0])])
+                    r = reward(p, tasks.ids[sel], tasks.lens[sel], tasks.answers[sel],
+                               jax.random.fold_in(jax.random.key(1), b), temp)
+                    total += float(np.asarray(r)[:len(real)].sum())
+                res[f"{set_name}_{name}_T{temp:g}"] = total / len(idx)
+                res[f"{set_name}_n_T{temp:g}"] = len(idx)
+    res.update(samples_per_task=cfg.group, loadavg=os.getloadavg()[0])
     print(json.dumps(res), flush=True)
     return res
 
