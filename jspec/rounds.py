@@ -1,20 +1,21 @@
 """Decoding rounds: each maps `SpecState -> SpecState` inside the jitted loop.
 
 One skeleton for every speculative round (`speculative_round`): the length policy has the
-drafter propose (`Proposal`: a chain, or a tree) -> one target forward over [last, nodes] (chain
-or tree mask) at one of the policy's static widths -> the verifier (`verify` for chains,
-`verify_tree` for trees) -> the accepted path's K/V written to contiguous slots (a tree's
-taken in depth order first: `path_kv`) -> the drafter observes the path's target features ->
-commit. A fixed K, LibraSpec's per-row lengths, n-gram's empty rounds (width 0: a one-token
-forward) and D²SD / top-k trees are all this round. `autoregressive_round` is the round
-without a drafter; `make_round` picks, and `run_rounds` loops it on the device.
+drafter propose (`Proposal`: a chain, or a tree) -> one target forward over [last, nodes] at one
+of the policy's static widths -> the verifier -> the accepted path's K/V written to contiguous
+slots -> the drafter observes the path's target features -> commit. What differs between a
+chain and a tree (mask, positions, acceptance, the path) is the proposal's `Topology`
+(`jspec.topology`); each width returns a `Verified`. A fixed K, LibraSpec's per-row lengths,
+n-gram's empty rounds (width 0: a one-token forward) and D²SD / top-k trees are all this
+round. `autoregressive_round` is the round without a drafter; `make_round` picks, and
+`run_rounds` loops it on the device.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,17 +23,11 @@ import jax.numpy as jnp
 from jspec.drafters.base import DraftContext, Drafter
 from jspec.length import FixedLength, LibraSpec
 from jspec.models.config import ModelConfig
-from jspec.models.llama import Chain, Tree, Weights, forward
-from jspec.sampling import (
-    Sampling,
-    SamplingParams,
-    dense_q,
-    process_logits,
-    processed_logprobs,
-    sample_with_logprobs,
-)
-from jspec.state import SpecState, commit, is_eos, prefill
+from jspec.models.llama import Weights, forward
+from jspec.sampling import Sampling, SamplingParams, sample_with_logprobs
+from jspec.state import SpecState, commit, prefill
 from jspec.state import features as features_of
+from jspec.topology import Accepted, Topology
 from jspec.verify.base import Verifier
 
 LengthPolicy = FixedLength | LibraSpec
@@ -57,12 +52,23 @@ def autoregressive_round(config: ModelConfig, weights: Weights, state: SpecState
     return dataclasses.replace(state, key=key)
 
 
+class Verified(NamedTuple):
+    """One verify width's result (every width of a round returns this shape)."""
+
+    accepted: Accepted  # what the verifier accepted, and the next token
+    new_kv: tuple[jax.Array, ...]  # the block's K/V [L, B, t_max, KV, hd] (padded to t_max)
+    feats: jax.Array  # f32[B, k+1, F, D] the drafter's target features along the path
+    kept: jax.Array  # f32[B, k+1, D] the kept `features` along the path ([B, 0]: none)
+    final: jax.Array  # f32[B, k+1, H] the final hidden states along the path ([B, 0]: none)
+
+
 def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, state: SpecState,
                       *, policy: LengthPolicy, sampling: Sampling, eos_ids: tuple[int, ...],
                       verifier: Verifier, features: tuple[int, ...] = ()) -> SpecState:
     """propose -> one target forward -> verify -> (move the path's K/V) -> observe -> commit.
     `features`: the layers whose hidden states the state keeps (the drafter's own, or any
-    layers when it has none), `SpecState.features`."""
+    layers when it has none), `SpecState.features`. What depends on the proposal being a
+    chain or a tree is asked of its `Topology`."""
 
     sampling = sampling.with_rows(state.sampling)  # per-row traced values, if any
     key, k_draft, k_verify = jax.random.split(state.key, 3)
@@ -75,47 +81,26 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
     ctx = DraftContext(seq=state.seq, cache_len=cache.lengths, last=state.last)
     with jax.named_scope("draft"):
         prop, dstate, d, need = policy.draft(drafter, state.drafter, ctx, sampling, k_draft, live)
+        topo = Topology.of(prop, k)
         # -1: nothing proposed at that node. A finished row proposes nothing either, so
         # verifiers with running measurements (DIVERSED, ASD) leave it alone.
-        valid = prop.valid & live[:, None]
-        if prop.is_chain:
-            # Slots no commit can keep (past the first drafted EOS, or past max_new_tokens) are
-            # not verified: the committed tokens are the same, and verifiers with running
-            # measurements (DIVERSED, ASD) only see tokens that land in the output.
-            j = jnp.arange(valid.shape[1], dtype=jnp.int32)[None]
-            first_eos = jnp.min(jnp.where(is_eos(prop.tokens, state.stop) & valid, j,
-                                          valid.shape[1]), axis=1)
-            room = state.limit - state.num_new
-            valid = valid & (j <= first_eos[:, None]) & (j < room[:, None])
+        valid = topo.verifiable(prop.valid & live[:, None], prop.tokens, state.stop,
+                                state.limit - state.num_new)
         draft = jnp.where(valid, prop.tokens, 0)  # [B, N]
-        depth = None if prop.is_chain else prop.depth()
     b = draft.shape[0]
-    rows = jnp.arange(b)
-    m_emit = (draft.shape[1] if prop.is_chain else k) + 1  # tokens a round can emit
+    m_emit = topo.emit_width(draft.shape[1])  # tokens a round can emit
 
-    def emitted_logprobs(z, toks, n, nxt):
-        """f32[B, m_emit]: log p of the emitted tokens (toks i32[B, t] with nxt at n, each
-        chosen from processed logits z f32[B, t, V] at its own index), 0-padded past t. z is
-        processed from the verify forward's whole logits, as the verifier processes them, so
-        XLA computes that (top-p: a sort of the vocabulary) once."""
-        toks = jnp.concatenate([toks, jnp.zeros_like(nxt)[:, None]], axis=1)[:, :z.shape[1]]
-        lp = processed_logprobs(z, toks.at[rows, n].set(nxt))
-        return jnp.pad(lp, ((0, 0), (0, m_emit - lp.shape[1])))
-
-    def along(f, path):  # f32[B, T, ...] -> [B, k+1, ...] along the path (a chain: padded)
-        if path is not None:
-            return jnp.take_along_axis(f, path.reshape(*path.shape, *(1,) * (f.ndim - 2)), axis=1)
-        return jnp.pad(f, ((0, 0), (0, k + 1 - f.shape[1])) + ((0, 0),) * (f.ndim - 2))
-
-    def feats_of(out, path):
-        """(the drafter's f32[B, k+1, F, D] target features along the path, the kept
-        `features` and final hidden states there), each a dummy when not needed."""
+    def verified(out, acc: Accepted) -> Verified:
+        """The width's result: the accepted path's target features (the drafter's, the kept
+        `features` and final hidden states), each a dummy when not needed."""
         none = jnp.zeros((b, 0), jnp.float32)
-        mine = along(features_of(out.hidden, caps.feature_norm), path) if fl else none
-        if not features:
-            return mine, none, none
-        kept = mine if fl and caps.feature_norm == "rms" else along(feature_rows(out.hidden), path)
-        return mine, kept, along(out.final_hidden.astype(jnp.float32), path)
+        mine = topo.along(features_of(out.hidden, caps.feature_norm), acc.path) if fl else none
+        kept = final = none
+        if features:
+            kept = (mine if fl and caps.feature_norm == "rms"
+                    else topo.along(feature_rows(out.hidden), acc.path))
+            final = topo.along(out.final_hidden.astype(jnp.float32), acc.path)
+        return Verified(acc, padded(out.new_kv), mine, kept, final)
 
     def verify_width(w):
         def plain(cache, vstate):
@@ -126,69 +111,19 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
                               cache, hidden_layers=hl, write_cache=False)
             with jax.named_scope("accept"):
                 nxt, lp = sample_with_logprobs(k_verify, out.logits[:, 0], sampling)
-            n = jnp.zeros_like(nxt)
-            path = None if prop.is_chain else jnp.zeros((b, k + 1), jnp.int32)
-            lp = jnp.pad(lp[:, None], ((0, 0), (0, m_emit - 1)))
-            return (n, nxt, padded(out.new_kv), verifier.plain_step(vstate),
-                    feats_of(out, None), n, path, n, lp)
+            return verified(out, topo.nothing_accepted(nxt, lp, verifier.plain_step(vstate),
+                                                       m_emit))
 
         def run(cache, vstate):
-            dw, vw = draft[:, :w], valid[:, :w]
-            toks = jnp.concatenate([state.last[:, None], dw], axis=1)  # [B, w+1]
-            if prop.is_chain:
-                pos = cache.lengths[:, None] + jnp.arange(w + 1, dtype=jnp.int32)[None]
-                mask = Chain()
-            else:  # node 0 is `last`, the root; drafted node t is node t + 1
-                par = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), prop.parents[:, :w] + 1],
-                                      axis=1)
-                dep = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), depth[:, :w]], axis=1)
-                pos = cache.lengths[:, None] + dep
-                mask = Tree(par)
+            blk = topo.block(state.last, draft[:, :w], valid[:, :w], cache.lengths)
             with jax.named_scope("verify"):
-                out = forward(config, weights, toks, pos, cache, mask=mask, hidden_layers=hl,
-                              write_cache=False)
+                out = forward(config, weights, blk.tokens, blk.positions, cache, mask=blk.mask,
+                              hidden_layers=hl, write_cache=False)
             with jax.named_scope("accept"):
-                if prop.is_chain:
-                    qw = None if prop.q is None else prop.q[:, :w]
-                    chosen = vw & (jnp.arange(w)[None, :] < d[:, None])
-                    kw = {}
-                    if verifier.supports.compact_q:  # q stays in the drafter's vocabulary
-                        kw["q_vocab"] = prop.q_vocab
-                    elif qw is not None:
-                        qw = dense_q(qw, prop.q_vocab, out.logits.shape[-1])
-                    if verifier.supports.needs_hidden:  # DIVERSED context-level head
-                        kw["hidden"] = (prop.hidden[:, :w], out.final_hidden[:, :w])
-                    n, nxt, vstate = verifier.verify(vstate, k_verify, dw, qw, out.logits,
-                                                     sampling, chosen, **kw)
-                    # The oracle length: what the verifier would have accepted had every
-                    # verified slot been proposed (greedy: a second, cheap argmax pass). When
-                    # sampling it is observed only up to the row's own d (n; censored at d).
-                    oracle = n
-                    if policy.oracle_pass and sampling.greedy:
-                        oracle, _, _ = verifier.verify(vstate, k_verify, dw, qw, out.logits,
-                                                       sampling, vw, **kw)
-                    path = None
-                    scored = jnp.sum(prop.valid[:, :w] & (jnp.arange(w)[None, :] < d[:, None]),
-                                     axis=1, dtype=jnp.int32)
-                    lp = emitted_logprobs(process_logits(out.logits, sampling), dw, n, nxt)
-                else:
-                    ok = jnp.concatenate([jnp.ones((b, 1), bool), vw], axis=1)
-                    kw = {}
-                    if prop.q is not None:  # children drawn from q: row t + 1 is node t's
-                        kw = dict(q=jnp.pad(prop.q[:, :w], ((0, 0), (1, 0), (0, 0))),
-                                  q_vocab=prop.q_vocab, max_children=prop.branching)
-                    n, path, nxt, vstate = verifier.verify_tree(
-                        vstate, k_verify, toks, par, dep, ok, out.logits, sampling, k, **kw)
-                    oracle = n
-                    scored = jnp.sum(prop.valid[:, :w], axis=1, dtype=jnp.int32)
-                    # The path's token at depth t + 1 was chosen from node path[:, t]'s logits.
-                    at = jnp.clip(path, 0, w)
-                    lp = emitted_logprobs(
-                        jnp.take_along_axis(process_logits(out.logits, sampling),
-                                            at[:, :, None], axis=1),
-                        jnp.take_along_axis(dw, jnp.maximum(at[:, 1:] - 1, 0), axis=1), n, nxt)
-            return (n, nxt, padded(out.new_kv), vstate, feats_of(out, path), oracle, path,
-                    scored, lp)
+                acc = topo.accept(blk, verifier, vstate, k_verify, prop, d, out.logits,
+                                  out.final_hidden, sampling, oracle_pass=policy.oracle_pass,
+                                  m_emit=m_emit)
+            return verified(out, acc)
         return plain if w == 0 else run
 
     widths = policy.verify_widths_for(caps)
@@ -203,44 +138,32 @@ def speculative_round(config: ModelConfig, weights: Weights, drafter: Drafter, s
     # cache buffer into the loop carry each round).
     branches = [verify_width(w) for w in widths]
     if len(branches) == 1:
-        n, nxt, new_kv, vstate, feats, oracle, path, scored, lp = branches[0](
-            cache, state.verifier)
+        res = branches[0](cache, state.verifier)
     else:  # the smallest static width the batch needs
         w_idx = jnp.sum(jnp.asarray(widths, jnp.int32) < need)
-        n, nxt, new_kv, vstate, feats, oracle, path, scored, lp = jax.lax.switch(
-            w_idx, branches, cache, state.verifier)
+        res = jax.lax.switch(w_idx, branches, cache, state.verifier)
+    acc = res.accepted
+    n = acc.n
     with jax.named_scope("commit"):
-        if prop.is_chain:
-            path_tok = draft
-        else:  # a tree: its path's K/V, in depth order, are what is written
-            new_kv = path_kv(new_kv, path)
-            path_tok = jnp.take_along_axis(draft, jnp.maximum(path[:, 1:] - 1, 0), axis=1)
-        new_cache = cache.write(*new_kv)
+        new_cache = cache.write(*topo.path_kv(res.new_kv, acc.path))
         if fl:
-            dstate = drafter.observe(dstate, feats[0], cache.lengths, n + 1)
-        emitted = jnp.concatenate([path_tok, jnp.zeros_like(nxt)[:, None]], axis=1)
-        emitted = emitted.at[rows, n].set(nxt)
+            dstate = drafter.observe(dstate, res.feats, cache.lengths, n + 1)
+        emitted = jnp.concatenate([topo.path_tokens(draft, acc.path),
+                                   jnp.zeros_like(acc.next_token)[:, None]], axis=1)
+        emitted = emitted.at[jnp.arange(b), n].set(acc.next_token)
         # `drafted` counts the nodes each row proposed and the length policy put up for
         # verification (a chain: its first d; a tree: all), not the empty (-1) nodes of a
         # wider verify. Trees: no oracle length.
-        kept = {} if not features else dict(feats=feats[1], final=feats[2])
-        state = commit(state, emitted, n + 1, state.stop, new_cache, n, scored,
-                       oracle=oracle if prop.is_chain else None, logprobs=lp, **kept)
-    return dataclasses.replace(state, key=key, drafter=dstate, verifier=vstate)
+        kept = {} if not features else dict(feats=res.kept, final=res.final)
+        state = commit(state, emitted, n + 1, state.stop, new_cache, n, acc.scored,
+                       oracle=acc.oracle if topo.is_chain else None, logprobs=acc.logprobs,
+                       **kept)
+    return dataclasses.replace(state, key=key, drafter=dstate, verifier=acc.verifier)
 
 
 def feature_rows(hidden: jax.Array) -> jax.Array:
     """The kept features (`SpecState.features`): RMS-normalised, as train/featurize writes."""
     return features_of(hidden, "rms")
-
-
-def path_kv(new_kv: tuple[jax.Array, ...], path: jax.Array) -> tuple[jax.Array, ...]:
-    """The K/V of a tree's accepted path, in depth order: new_kv's arrays dtype[L, B, T, KV,
-    hd] (node t at index t) -> dtype[L, B, D+1, KV, hd], index d the node path[:, d] (i32[B,
-    D+1]). Written at slots lengths + 0..D, they commit the path (slots past the accepted
-    length are scratch, as after a chain's verify)."""
-    rows = jnp.arange(path.shape[0])[:, None]
-    return tuple(a[:, rows, path] for a in new_kv)
 
 
 def run_rounds(round_fn: Any, state: SpecState, max_rounds: int | jax.Array) -> SpecState:

@@ -46,7 +46,7 @@ def test_path_kv_writes_the_path_slots_exactly(dtype, batch):
     start + depth, bit for bit, in the buffer's storage dtype (a uint16 slot holds the bits,
     not a conversion); the slots before start keep theirs."""
     from jspec.models.cache import KVCache
-    from jspec.rounds import path_kv
+    from jspec.topology import path_kv
 
     s, kv, hd, layers, t = 12, 2, 3, 2, 7
     rng = np.random.default_rng(1)
