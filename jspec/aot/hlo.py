@@ -9,6 +9,12 @@ live in HBM (memory space 0): the async copy reads a weight from HBM once, the f
 the VMEM copy is free. A Mosaic kernel's own DMAs inside the call are not visible: its HBM
 operands count as read once (jspec's attention kernel reads one layer of a stacked cache).
 A while loop (scanned layers) counts its body once per trip.
+
+Flops come from the same walk: the matmuls only (`dot`, and `convolution`, which is how the TPU
+compiler emits them), 2 x output elements x contracted elements, inside fusions, a while body
+once per trip, a conditional's costliest branch. `cost_analysis()["flops"]` counts a while body
+once whatever its trip count (scanned layers: one layer), so it is not used. Elementwise work
+(norms, rope, softmax, activations) is left out, a Mosaic kernel's (jspec's attention) too.
 """
 
 from __future__ import annotations
@@ -49,6 +55,43 @@ def _dims(type_str: str) -> list[int]:
     """The dimensions of the (first) array of an HLO type."""
     m = _ARRAY.search(type_str)
     return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def _matmul_flops(typ: str, op: str, operands: list[str], rest: str, types: dict[str, str],
+                  outer: dict[str, str] | None = None) -> float:
+    """2 x output elements x contracted elements of a `dot` (its `lhs_contracting_dims`) or a
+    `convolution` (the kernel's input-feature and window dims of its `dim_labels`; padding is
+    counted as work); 0 for any other op. Operand types from `types`, else `outer`."""
+    if op not in ("dot", "convolution") or len(operands) < 2:
+        return 0.0
+    if outer is not None:
+        types = {o: types.get(o) or outer[o] for o in operands[:2]}
+    out = math.prod(_dims(typ))
+    if op == "dot":
+        m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
+        lhs = _dims(types[operands[0]])
+        k = math.prod(lhs[int(i)] for i in m.group(1).split(",") if i) if m else 1
+    else:
+        m = re.search(r"dim_labels=[^_]*_([^-]*)->", rest)
+        if not m:
+            raise ValueError(f"convolution without dim_labels: {rest[:200]}")
+        rhs = _dims(types[operands[1]])
+        k = math.prod(d for d, label in zip(rhs, m.group(1), strict=True) if label != "o")
+    return 2.0 * out * k
+
+
+def _fused_flops(comp: str, comps: dict[str, list[tuple[str, str, str, list[str], str]]]
+                 ) -> float:
+    """Matmul flops of one run of fused computation `comp`, nested fusions included."""
+    body = comps.get(comp, [])
+    types = {ins[0]: ins[1] for ins in body}
+    flops = 0.0
+    for _, typ, op, operands, rest in body:
+        flops += _matmul_flops(typ, op, operands, rest, types)
+        called = re.search(r"calls=%([\w.\-]+)", rest)
+        if called:
+            flops += _fused_flops(called.group(1), comps)
+    return flops
 
 
 def _hbm(type_str: str) -> float:
@@ -113,23 +156,24 @@ def _fusion_reads(comp: str, comps: dict[str, list[tuple[str, str, str, list[str
 
 
 def hbm_traffic(hlo: str) -> dict[str, float]:
-    """Modelled HBM bytes read and written by one run of the ENTRY computation, and the
-    compiler's summed `estimated_cycles` (NaN for a program with a data-dependent loop). A
+    """Modelled HBM bytes read and written by one run of the ENTRY computation, its matmul
+    flops (`flops`: dots and convolutions, see the module's doc) and the compiler's summed
+    `estimated_cycles` (all NaN for a program with a data-dependent loop). A
     conditional counts its costliest branch (an upper bound), a call its computation, a
     while loop (scanned layers) its body once
     per trip (the trip count read from its condition's bound); its own operands and results
     move nothing. A fusion whose root is a scatter or dynamic-update-slice updates its first
     operand in place: only its other operands are read, and as much is written. A fusion
     operand used only through slices / dynamic-slices / gathers inside the fusion counts as
-    those windows."""
+    those windows. A conditional's flops are its branches' largest (maybe another branch)."""
     comps, roots = computations(hlo)
     types = {ins[0]: ins[1] for body in comps.values() for ins in body}
     try:
-        read, written, cycles = _traffic("ENTRY", comps, roots, types)
+        read, written, cycles, flops = _traffic("ENTRY", comps, roots, types)
     except UnknownTripCount:  # a data-dependent loop (a whole `generate`): no per-run bytes
-        read = written = cycles = math.nan
+        read = written = cycles = flops = math.nan
     return {"hbm_read_bytes": read, "hbm_written_bytes": written,
-            "hbm_bytes": read + written, "estimated_cycles": cycles}
+            "hbm_bytes": read + written, "estimated_cycles": cycles, "flops": flops}
 
 
 class UnknownTripCount(ValueError):
@@ -148,20 +192,26 @@ def trip_count(cond: list[tuple[str, str, str, list[str], str]]) -> int:
 
 
 def _traffic(comp: str, comps: dict[str, list[tuple[str, str, str, list[str], str]]],
-             roots: dict[str, str], types: dict[str, str]) -> tuple[float, float, float]:
-    """(bytes read, bytes written, estimated cycles) of one run of computation `comp`."""
-    read = written = cycles = 0.0
+             roots: dict[str, str], types: dict[str, str]
+             ) -> tuple[float, float, float, float]:
+    """(bytes read, bytes written, estimated cycles, matmul flops) of one run of `comp`."""
+    read = written = cycles = flops = 0.0
+    local = {ins[0]: ins[1] for ins in comps.get(comp, [])}
     for name, typ, op, operands, rest in comps.get(comp, []):
         c = re.search(r'"estimated_cycles":"(\d+)"', rest)
         cycles += int(c.group(1)) if c else 0
+        flops += _matmul_flops(typ, op, operands, rest, local, types)
+        if op == "fusion":
+            flops += _fused_flops(re.search(r"calls=%([\w.\-]+)", rest).group(1), comps)
         if op in _FREE:
             continue
         if op == "while":
             body = re.search(r"body=%([\w.\-]+)", rest).group(1)
             cond = re.search(r"condition=%([\w.\-]+)", rest).group(1)
             n = trip_count(comps.get(cond, []))
-            r, w, cy = _traffic(body, comps, roots, types)
-            read, written, cycles = read + n * r, written + n * w, cycles + n * cy
+            r, w, cy, f = _traffic(body, comps, roots, types)
+            read, written, cycles, flops = (read + n * r, written + n * w, cycles + n * cy,
+                                            flops + n * f)
             continue
         if op in ("conditional", "call"):  # the branch that moves the most (an upper bound)
             names = re.findall(r"(?:branch_computations=\{|true_computation=|"
@@ -170,8 +220,9 @@ def _traffic(comp: str, comps: dict[str, list[tuple[str, str, str, list[str], st
             subs = [x.split()[0] for x in subs if x]
             costs = [_traffic(c, comps, roots, types) for c in subs if c in comps]
             if costs:
-                r, w, cy = max(costs, key=lambda x: x[0] + x[1])
+                r, w, cy, _ = max(costs, key=lambda x: x[0] + x[1])
                 read, written, cycles = read + r, written + w, cycles + cy
+                flops += max(x[3] for x in costs)
                 continue
         if op.endswith("-done"):  # the result of an async copy: written where it lands
             written += _hbm(typ)
@@ -211,4 +262,4 @@ def _traffic(comp: str, comps: dict[str, list[tuple[str, str, str, list[str], st
         read += sum(per_operand)
         if not op.endswith("-start"):
             written += _hbm(typ)
-    return read, written, cycles
+    return read, written, cycles, flops
