@@ -31,6 +31,37 @@ def tree_depth(parents: np.ndarray) -> np.ndarray:
     return depth
 
 
+def filled_cache(model: Any, fill: int, capacity: int) -> KVCache:
+    """A batch-1 cache of `capacity` slots with `fill` tokens in it (zeros: timing only)."""
+    return KVCache.create(model.config, 1, capacity).with_lengths(jnp.array([fill], jnp.int32))
+
+
+def forward_call(model: Any, t: int, fill: int, cache: KVCache,
+                 parents: Any = None) -> Callable[[], Any]:
+    """A compiled target forward of t new tokens after the `fill` tokens of a batch-1 `cache`
+    (`filled_cache`; read, never written), as a call without arguments that returns once the
+    result is ready.
+
+    Compiled before it returns (what the compiler reads at trace time, e.g. the environment of
+    `jspec.models.cpu_gemm`, is read now), so every call of it is a warm call to time.
+    parents: optional i32[t] tree parents (node 0 the root, parent -1): the t new tokens then
+    form that tree (`Tree` mask, positions fill + depth) instead of a chain.
+    """
+    cfg = model.config
+
+    @jax.jit
+    def fwd(w, toks, pos, cache, parents):
+        out = forward(cfg, w, toks, pos, cache, mask=Chain() if parents is None else Tree(parents))
+        return out.logits, out.cache
+
+    parents = None if parents is None else jnp.asarray(parents, jnp.int32)
+    depth = np.arange(t) if parents is None else tree_depth(np.asarray(parents))
+    args = (jnp.zeros((1, t), jnp.int32) + 42, jnp.asarray(fill + depth, jnp.int32)[None], cache,
+            parents)
+    jax.block_until_ready(fwd(model.weights, *args))  # compile
+    return lambda: jax.block_until_ready(fwd(model.weights, *args))
+
+
 def forward_times(model: Any, sizes: list[int] | tuple[int, ...], fill: int, repeats: int,
                   parents_of: Callable[[int], Any] | None = None) -> dict[int, float]:
     """Median seconds per target forward of T new tokens for every T in `sizes`.
@@ -38,29 +69,17 @@ def forward_times(model: Any, sizes: list[int] | tuple[int, ...], fill: int, rep
     parents_of: optional `T -> i32[T]` tree parents (node 0 the root, parent -1): the T new
     tokens then form that tree (`Tree` mask, positions fill + depth) instead of a chain.
     """
-    cfg = model.config
     sizes = sorted(set(sizes))
     # the capacity generate would give this fill
     cap = cache_capacity(fill, max(sizes), platform=platforms.of_arrays(model.weights))
-
-    @jax.jit
-    def fwd(w, toks, pos, cache, parents):
-        out = forward(cfg, w, toks, pos, cache, mask=Chain() if parents is None else Tree(parents))
-        return out.logits, out.cache
-
-    cache = KVCache.create(cfg, 1, cap).with_lengths(jnp.array([fill], jnp.int32))
-    inputs = {}
-    for t in sizes:
-        parents = None if parents_of is None else jnp.asarray(parents_of(t), jnp.int32)
-        depth = np.arange(t) if parents is None else tree_depth(np.asarray(parents))
-        inputs[t] = (jnp.zeros((1, t), jnp.int32) + 42, jnp.asarray(fill + depth, jnp.int32)[None],
-                     cache, parents)
-        jax.block_until_ready(fwd(model.weights, *inputs[t]))  # compile
+    cache = filled_cache(model, fill, cap)
+    calls = {t: forward_call(model, t, fill, cache, None if parents_of is None else parents_of(t))
+             for t in sizes}
     times: dict[int, list[float]] = {t: [] for t in sizes}
     for _ in range(repeats):
         for t in sizes:
             t0 = time.perf_counter()
-            jax.block_until_ready(fwd(model.weights, *inputs[t]))
+            calls[t]()
             times[t].append(time.perf_counter() - t0)
     return {t: statistics.median(v) for t, v in times.items()}
 
