@@ -11,7 +11,9 @@ from conftest import needs_libtpu
 from jspec.aot.hlo import hbm_traffic
 
 # A while loop of 3 trips whose body runs a fusion with a dot [4,8]x[8,16] (nested in a fusion)
-# and a 1x1 convolution [2,5,8]x[1,8,6]; a conditional whose branches differ; an entry dot.
+# and a 1x1 convolution [2,5,8]x[1,8,6]; a conditional whose branches differ; an entry dot and
+# a projection as the TPU compiler writes some ([2,8] x [8, 4*3] as a window of 4 over 1 input
+# position padded by 3 each side: each output position reads the input once, not 4 times).
 HLO = """HloModule m
 
 %inner (a: f32[4,8], b: f32[8,16]) -> f32[4,16] {
@@ -67,7 +69,11 @@ ENTRY %main (x: f32[4,8], p: s32[]) -> f32[4,8] {
   %loop = (s32[], f32[4,8]) while(%init), condition=%cond, body=%body
   %branch = f32[4,16]{1,0} conditional(%p, %x, %x), branch_computations={%small, %large}
   %w = f32[8,8]{1,0} constant({...})
-  ROOT %dot.4 = f32[4,8]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %dot.4 = f32[4,8]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %h = f32[2,8,1]{2,1,0} constant({...})
+  %q = f32[4,3,8]{2,1,0} constant({...})
+  %pj = f32[2,4,3] convolution(%h, %q), window={size=4 pad=3_3 rhs_reversal=1}, dim_labels=bf0_0oi->b0f
+  ROOT %r = f32[4,8]{1,0} add(%dot.4, %dot.4)
 }
 """
 
@@ -77,27 +83,33 @@ def test_hlo_flops_count_matmuls_per_loop_trip():
     trip, a conditional's costlier branch, the entry's own dot."""
     body = 2 * 4 * 16 * 8 + 2 * (2 * 5 * 6) * (1 * 8)  # the fused dot + the 1x1 convolution
     branch = 2 * (4 * 16) * 8  # the larger branch (a batched dot), not 2 * (4 * 4) * 8
-    entry = 2 * 4 * 8 * 8
+    entry = 2 * 4 * 8 * 8 + 2 * (2 * 3 * 4) * 8  # the padded window: 8 per output, not 32
     assert hbm_traffic(HLO)["flops"] == 3 * body + branch + entry
 
 
-SMALL = {"model_type": "llama", "vocab_size": 2048, "hidden_size": 512, "intermediate_size": 1024,
-         "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2,
-         "head_dim": 64, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
-         "tie_word_embeddings": False, "max_position_embeddings": 4096}
+BASE = {"model_type": "llama", "vocab_size": 2048, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False, "max_position_embeddings": 4096}
+SMALL = BASE | {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 3,
+                "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64}
+# 4 heads of 128 per chip: at T = 1 the compiler writes the Q projection as a padded window.
+WIDE = BASE | {"hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 2,
+               "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}
 
 
 @needs_libtpu()
-def test_scanned_and_unrolled_flops_agree_and_match_the_params(tmp_path):
-    """A small model's verify forward compiled for 8 v5e chips: the scanned layers (an HLO while
-    loop) and the unrolled ones count the same matmul flops, 2 x matmul params x tokens per chip
-    (attention's own matmuls are in the Mosaic kernel: not counted); the unrolled count is near
-    the cost analysis's (its extra: elementwise work), the control."""
+@pytest.mark.parametrize(("hf", "t"), [(SMALL, 4), (WIDE, 1)], ids=["small-T4", "wide-T1"])
+def test_scanned_and_unrolled_flops_agree_and_match_the_params(tmp_path, hf, t):
+    """A small model's forward compiled for 8 v5e chips: the scanned layers (an HLO while loop)
+    and the unrolled ones count the same matmul flops, 2 x matmul params x tokens per chip
+    (attention's own matmuls are in the Mosaic kernel: not counted). Control, for SMALL: the
+    unrolled count is near the cost analysis's (its extra: elementwise work); for WIDE the
+    cost analysis is no control: it says 13 MFLOP unrolled for the 71 counted here and
+    analytically."""
     from jspec.aot.report import model_config, setup, step_program
 
     p = tmp_path / "config.json"
-    p.write_text(json.dumps(SMALL))
-    batch, t = 8, 4
+    p.write_text(json.dumps(hf))
+    batch = 8
     got = {}
     for scan in (True, False):
         s = setup(model_config(str(p)), "v5e:2x4", batch=batch, context=512, scan_layers=scan)
@@ -111,4 +123,5 @@ def test_scanned_and_unrolled_flops_agree_and_match_the_params(tmp_path):
     scanned, unrolled = got[True].flops, got[False].flops
     assert scanned == pytest.approx(unrolled, rel=0.02)
     assert scanned == pytest.approx(analytic, rel=0.02)
-    assert unrolled == pytest.approx(got[False].flops_cost_analysis, rel=0.05)
+    if hf is SMALL:
+        assert unrolled == pytest.approx(got[False].flops_cost_analysis, rel=0.05)

@@ -60,8 +60,9 @@ def _dims(type_str: str) -> list[int]:
 def _matmul_flops(typ: str, op: str, operands: list[str], rest: str, types: dict[str, str],
                   outer: dict[str, str] | None = None) -> float:
     """2 x output elements x contracted elements of a `dot` (its `lhs_contracting_dims`) or a
-    `convolution` (the kernel's input-feature and window dims of its `dim_labels`; padding is
-    counted as work); 0 for any other op. Operand types from `types`, else `outer`."""
+    `convolution` (the kernel's input features x the window positions that land on the input,
+    not on padding: the TPU compiler writes some projections as a padded window); 0 for any
+    other op. Operand types from `types`, else `outer`."""
     if op not in ("dot", "convolution") or len(operands) < 2:
         return 0.0
     if outer is not None:
@@ -72,12 +73,41 @@ def _matmul_flops(typ: str, op: str, operands: list[str], rest: str, types: dict
         lhs = _dims(types[operands[0]])
         k = math.prod(lhs[int(i)] for i in m.group(1).split(",") if i) if m else 1
     else:
-        m = re.search(r"dim_labels=[^_]*_([^-]*)->", rest)
+        m = re.search(r"dim_labels=([^_]*)_([^-]*)->([\w]*)", rest)
         if not m:
             raise ValueError(f"convolution without dim_labels: {rest[:200]}")
-        rhs = _dims(types[operands[1]])
-        k = math.prod(d for d, label in zip(rhs, m.group(1), strict=True) if label != "o")
+        lhs_l, rhs_l, out_l = m.groups()
+        lhs, rhs, outd = _dims(types[operands[0]]), _dims(types[operands[1]]), _dims(typ)
+        out = math.prod(d for d, c in zip(outd, out_l, strict=True) if not c.isdigit())
+        k = rhs[rhs_l.index("i")]
+        w = re.search(r"window=\{([^}]*)\}", rest)
+        win = dict(kv.split("=", 1) for kv in (w.group(1).split() if w else []))
+        for d in range(sum(c.isdigit() for c in out_l)):  # window fields: 'x' between dims
+            pad, stride, base, dil = (int(win[key].split("x")[d].split("_")[0]) if key in win
+                                      else dflt for key, dflt in (("pad", 0), ("stride", 1),
+                                                                  ("lhs_dilate", 1),
+                                                                  ("rhs_dilate", 1)))
+            k *= _window_positions(lhs[lhs_l.index(str(d))], outd[out_l.index(str(d))],
+                                   rhs[rhs_l.index(str(d))], pad, stride, base, dil)
     return 2.0 * out * k
+
+
+def _window_positions(n: int, o: int, k: int, pad_lo: int, stride: int, base_dil: int,
+                      win_dil: int) -> int:
+    """(output position, window position) pairs of one spatial dim of a convolution that read
+    an input element (not padding, not a hole of a dilated input)."""
+    count = 0
+    last = (n - 1) * base_dil  # the last input element in the dilated input
+    for w in range(k):
+        off = w * win_dil - pad_lo  # the input position output 0 reads through window pos w
+        if base_dil == 1:  # the outputs i with 0 <= i * stride + off <= last
+            lo = -(off // stride) if off < 0 else 0  # ceil(-off / stride)
+            hi = min(o - 1, (last - off) // stride) if last >= off else -1
+            count += max(0, hi - lo + 1)
+        else:
+            count += sum(1 for i in range(o)
+                         if 0 <= i * stride + off <= last and (i * stride + off) % base_dil == 0)
+    return count
 
 
 def _fused_flops(comp: str, comps: dict[str, list[tuple[str, str, str, list[str], str]]]
