@@ -25,6 +25,7 @@ from jspec.aot.report import Compiled, Setup, compile_program, model_config, set
 from jspec.drafters import kinds
 from jspec.drafters.trained import Frozen, split_frozen
 from train.batches import batch_sharding
+from train.data import Batch
 from train.recipes import RECIPES
 from train.update import train_step
 
@@ -52,13 +53,11 @@ def train_step_program(s: Setup, kind: str, rows: int = 8, seq: int = 2048,
                     to_draft=jax.ShapeDtypeStruct((v,), jnp.int32), stats=stats)
     frozen = _abstract(frozen, sharding.params_sharding(frozen, mesh))
     nf = len(cfg.feature_layers)
-    batch = {"tokens": jax.ShapeDtypeStruct((rows, seq), jnp.int32),
-             "lens": jax.ShapeDtypeStruct((rows,), jnp.int32),
-             "plens": jax.ShapeDtypeStruct((rows,), jnp.int32),
-             "feats": jax.ShapeDtypeStruct((rows, seq, nf, d), jnp.float16),
-             "final": jax.ShapeDtypeStruct((rows, seq, d), jnp.float16),
-             "pos": jax.ShapeDtypeStruct((rows, positions), jnp.int32),
-             "valid": jax.ShapeDtypeStruct((rows, positions), jnp.bool_)}
+    sds = jax.ShapeDtypeStruct
+    batch = Batch(tokens=sds((rows, seq), jnp.int32), lens=sds((rows,), jnp.int32),
+                  plens=sds((rows,), jnp.int32), feats=sds((rows, seq, nf, d), jnp.float16),
+                  final=sds((rows, seq, d), jnp.float16), pos=sds((rows, positions), jnp.int32),
+                  valid=sds((rows, positions), jnp.bool_))
     batch = _abstract(batch, batch_sharding(mesh, batch))
 
     def step(p, o, f, b):

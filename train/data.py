@@ -163,7 +163,7 @@ class Batch:
     @classmethod
     def of(cls, batch: Any) -> Batch:
         """`batch` as a Batch: a Batch as it is, or a mapping of its field names to arrays (the
-        rollout batch of `train.step` and the abstract batch of `train.aot` are such dicts)."""
+        rollout batch of `train.step` is such a dict)."""
         return batch if isinstance(batch, cls) else cls(**batch)
 
     def at(self, pos: Any, valid: Any, prefix: Any = None) -> Batch:
