@@ -8,6 +8,7 @@ from jspec.inputs import bucket_prompts
 from jspec.length import FixedLength, LibraSpec
 from jspec.models import Chain, KVCache, Model, ModelConfig, Tree, Weights, forward, load_model
 from jspec.sampling import Sampling, SamplingParams
+from jspec.scoring import logprobs
 from jspec.state import GenerateOutput, SpecState, Stats
 from jspec.verify import ASD, Diversed, DiversedHead, Lossless
 
@@ -40,6 +41,7 @@ __all__ = [
            "generate",
            "load_drafter",
            "load_model",
+           "logprobs",
            "sharding",
            "stream",
 ]
