@@ -20,8 +20,8 @@ from train.recipes import RECIPES
 
 def batch_sharding(mesh: Mesh, batch: Any) -> Any:
     """Rows of every batch array over `data` (the rules table's `batch`), the rest replicated:
-    NamedShardings in the pytree structure of `batch` (a `Batch`, or a dict of its fields)."""
-    return sharding.state_sharding(batch, mesh, batch=np.shape(Batch.of(batch).lens)[0])
+    NamedShardings in the pytree structure of `batch` (a `Batch`)."""
+    return sharding.state_sharding(batch, mesh, batch=np.shape(batch.lens)[0])
 
 
 def to_device(mesh: Mesh | None, batch: Batch) -> Batch:

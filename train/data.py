@@ -160,12 +160,6 @@ class Batch:
     valid: Any = None  # bool[B, N] which of `pos` are real (a short row has fewer)
     prefix: Any = None  # i32[B, N] D²SD only: the known slots of each block
 
-    @classmethod
-    def of(cls, batch: Any) -> Batch:
-        """`batch` as a Batch: a Batch as it is, or a mapping of its field names to arrays (the
-        rollout batch of `train.step` is such a dict)."""
-        return batch if isinstance(batch, cls) else cls(**batch)
-
     def at(self, pos: Any, valid: Any, prefix: Any = None) -> Batch:
         """The batch with its sampled positions pos i32[B, N], valid bool[B, N] (and D²SD's
         prefix lengths i32[B, N])."""

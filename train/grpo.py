@@ -10,10 +10,10 @@ One step (`make_step`, one `jax.jit`, compiled once):
   3. group advantages: (r - mean of its group) / (std of its group + 1e-4);
   4. loss: the clipped PPO/GRPO surrogate per token, ratio = exp(log p_new - log p_rollout),
      log p_new from one teacher-forced forward over prompt + completion under the current
-     parameters (the rollout's log-probs are the old policy: the same parameters, so the ratio
-     is 1 up to float32 rounding and the gradient is REINFORCE with group baselines; they
-     matter once a rollout is reused), averaged over each completion's tokens, then over rows;
-     no KL term (Dr. GRPO / DAPO drop it);
+     parameters (`jspec.logprobs`; the rollout's log-probs are the old policy: the same
+     parameters, so the ratio is 1 up to float32 rounding and the gradient is REINFORCE with
+     group baselines; they matter once a rollout is reused), averaged over each completion's
+     tokens, then over rows; no KL term (Dr. GRPO / DAPO drop it);
   5. an Optax update (AdamW, clipping, `train.loop.optimizer`);
   6. with `--drafter-lr` > 0, an online drafter step: the EAGLE-3 / DFlash drafter trains on
      the rollout it just drafted (`train.step.drafter_step` on the target features that
@@ -48,8 +48,6 @@ import optax
 import jspec
 from jspec.drafters.base import Proposer
 from jspec.errors import JspecError
-from jspec.models import KVCache, forward
-from jspec.models.llama import lm_logits
 from jspec.models.model import Model
 from jspec.tasks import math_correct
 from train.grpo_tasks import Tasks, answer_reward, arithmetic_tasks, token_classes
@@ -110,31 +108,6 @@ def merge(frozen: jspec.Weights, params: dict) -> jspec.Weights:
                                final_norm=params["final_norm"], lm_head=cast(params["lm_head"]))
 
 
-def completion_logprobs(config: jspec.ModelConfig, weights: jspec.Weights, ids: jax.Array,
-                        lens: jax.Array, tokens: jax.Array, n: jax.Array,
-                        temperature: float) -> jax.Array:
-    """f32[B, N]: log p(token) under softmax(logits / T), teacher-forced over prompt +
-    completion in one forward (right-padded rows; causal, so padding never reaches an earlier
-    position); the LM head runs on the N predicting positions only. Garbage past `n`."""
-    b, w = ids.shape
-    nn = tokens.shape[1]
-    t = jnp.arange(w + nn, dtype=jnp.int32)[None]
-    rel = t - lens[:, None]  # index into the completion
-    comp = jnp.take_along_axis(jnp.maximum(tokens, 0), jnp.clip(rel, 0, nn - 1), axis=1)
-    seq = jnp.where(t < lens[:, None], jnp.pad(ids, ((0, 0), (0, nn))),
-                    jnp.where(rel < n[:, None], comp, 0))
-    # XLA attention: the Pallas kernels have no gradient (under an abstract platform every
-    # backend's branch is traced, and differentiated)
-    config = config.replace(attention_impl="xla")
-    cache = KVCache.create(config, b, w + nn)
-    h = forward(config, weights, seq, jnp.broadcast_to(t, (b, w + nn)), cache,
-                compute_logits=False).final_hidden
-    at = lens[:, None] - 1 + jnp.arange(nn)[None]  # the position that predicts token i
-    h = jnp.take_along_axis(h, at[..., None], axis=1)  # [B, N, D]
-    logp = jax.nn.log_softmax(lm_logits(config, weights, h) / temperature, axis=-1)
-    return jnp.take_along_axis(logp, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0]
-
-
 def group_advantages(rewards: jax.Array, group: int) -> jax.Array:
     """f32[B]: each reward minus its group's mean, over the group's std (+1e-4)."""
     r = rewards.reshape(-1, group)
@@ -176,12 +149,13 @@ def _rl_step(cfg: GRPOConfig, mcfg: jspec.ModelConfig, tx: optax.GradientTransfo
         drafter = with_trained_part(drafter, dataclasses.replace(trained_part(drafter),
                                                                   params=dparams))
     weights = merge(frozen, params)
+    sampling = jspec.Sampling(temperature=cfg.temperature)
     if drafter is not None and cfg.rebind:
         drafter = jspec.bind(drafter, weights)
     with jax.named_scope("rollout"):
         out = jspec.generate(Model(config=mcfg, weights=weights), batch.ids, batch.lens,
                              drafter=drafter, max_new_tokens=cfg.max_new_tokens, key=key,
-                             sampling=jspec.Sampling(temperature=cfg.temperature),
+                             sampling=sampling,
                              length=None if drafter is None else jspec.FixedLength(cfg.k),
                              features=online)
     with jax.named_scope("reward"):
@@ -190,8 +164,8 @@ def _rl_step(cfg: GRPOConfig, mcfg: jspec.ModelConfig, tx: optax.GradientTransfo
     mask = (jnp.arange(cfg.max_new_tokens)[None] < out.lengths[:, None]).astype(jnp.float32)
 
     def loss_fn(p: dict) -> tuple[jax.Array, jax.Array]:
-        lp = completion_logprobs(mcfg, merge(frozen, p), batch.ids, batch.lens, out.tokens,
-                                 out.lengths, cfg.temperature)
+        policy = Model(config=mcfg, weights=merge(frozen, p))
+        lp = jspec.logprobs(policy, batch.ids, batch.lens, out.tokens, sampling=sampling)
         ratio = jnp.exp(lp - out.logprobs)
         clipped = jnp.clip(ratio, 1 - cfg.ppo_clip, 1 + cfg.ppo_clip)
         surrogate = jnp.minimum(ratio * adv, clipped * adv)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jspec.drafters.trained import Frozen, Params, split_frozen, with_stats
 from jspec.errors import JspecError
 from jspec.state import GenerateOutput
+from train.data import Batch
 from train.drafters import RECIPES, train_step
 
 
@@ -53,7 +54,7 @@ def init_opt(drafter: Any, tx: Any) -> Any:
 
 
 def rollout_batch(out: GenerateOutput, prompt_lengths: jax.Array, key: jax.Array, *,
-                  kind: str, positions: int) -> dict[str, jax.Array]:
+                  kind: str, positions: int) -> Batch:
     """`train_step`'s batch from a `generate(..., features=True)` output.
 
     Args:
@@ -63,7 +64,7 @@ def rollout_batch(out: GenerateOutput, prompt_lengths: jax.Array, key: jax.Array
       kind: "eagle3" or "dflash" (the recipe's window of positions).
       positions: static; positions (chain starts / block anchors) per row.
     Returns:
-      tokens, lens, plens, feats, final, pos i32[B, positions], valid bool[B, positions]:
+      a `train.data.Batch` with pos i32[B, positions] and valid bool[B, positions]:
       positions drawn uniformly without replacement from the recipe's window [plen + lo, len -
       hi] as `train.data.sample_positions` draws them (fewer, valid first, when the window is
       short), sorted.
@@ -81,9 +82,9 @@ def rollout_batch(out: GenerateOutput, prompt_lengths: jax.Array, key: jax.Array
     picked = jnp.take_along_axis(score, idx, axis=1) < 2.0
     srt = jnp.sort(jnp.where(picked, idx, w), axis=1)
     valid = srt < w
-    return {"tokens": out.sequence, "lens": lens, "plens": prompt_lengths.astype(jnp.int32),
-            "feats": out.features, "final": out.final_hidden,
-            "pos": jnp.where(valid, srt, 0).astype(jnp.int32), "valid": valid}
+    return Batch(tokens=out.sequence, lens=lens, plens=prompt_lengths.astype(jnp.int32),
+                 feats=out.features, final=out.final_hidden,
+                 pos=jnp.where(valid, srt, 0).astype(jnp.int32), valid=valid)
 
 
 def drafter_step(drafter: Any, opt_state: Any, out: GenerateOutput, prompt_lengths: jax.Array,

@@ -47,12 +47,10 @@ def train_step(params: Params, opt_state: Any, frozen: Frozen,
                batch: Batch, *, kind: str, cfg: DrafterConfig, tx: Any,
                vat_head: bool, vat_weight: bool, mesh: Mesh | None = None,
                matmul_dtype: str = "float32") -> tuple[Params, Any, dict[str, jax.Array]]:
-    """One optimizer step on `batch` (a `Batch` with positions, or a dict of its fields).
+    """One optimizer step on `batch` (a `Batch` with positions).
     `mesh` (static): keep params / moments / batch in their rules-table layout
     (`shard_for_training`); the gradient all-reduce over `data` is the compiler's.
     `matmul_dtype`: "float32" or "bfloat16" operands in the forward and backward matmuls."""
-    batch = Batch.of(batch)
-
     def pin(p, o):
         if mesh is None:
             return p, o
