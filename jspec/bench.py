@@ -17,6 +17,7 @@ import numpy as np
 import jspec
 from jspec import bench_batch, peer
 from jspec.cost import cost_curve, tree_cost
+from jspec.drafters.base import is_block_drafter
 from jspec.errors import JspecError
 from jspec.length import parse_length
 from jspec.models import registry
@@ -28,21 +29,12 @@ from jspec.specs import split_list
 from jspec.state import bucket_length
 from jspec.tables import print_table
 from jspec.tasks import score
-from jspec.verify import Lossless, parse_verifier, with_acceptance_impl
+from jspec.timing import median_time
+from jspec.verify import DiversedState, Lossless, parse_verifier, with_acceptance_impl
 
 AR_FLOAT32 = "autoregressive float32"  # the float32 baseline row of a --dtype bfloat16 run
 BENCH_PROMPT = ("Write a Python function that checks whether a string is a palindrome, "
                 "then explain how it works.")
-
-
-def _median_time(fn: Any, repeats: int) -> float:
-    fn()  # warm-up (compile) excluded
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def decode_tps(model: Any, prompt_ids: list[int], new_tokens: int, repeats: int,
@@ -62,9 +54,9 @@ def decode_tps(model: Any, prompt_ids: list[int], new_tokens: int, repeats: int,
             n_out.append(int(np.asarray(out.lengths).sum()))
         return go
     # Decode rate: the 1-token run (prefill + first token) is subtracted.
-    t_full = _median_time(run(new_tokens), repeats)
+    t_full = median_time(run(new_tokens), repeats)
     full_tokens = n_out[-1]
-    t_pre = _median_time(run(1), repeats)
+    t_pre = median_time(run(1), repeats)
     decoded = max(full_tokens - batch, 1)
     return {"tokens_per_s": decoded / max(t_full - t_pre, 1e-9),
             "end_to_end_tokens_per_s": full_tokens / t_full, "new_tokens": full_tokens,
@@ -188,7 +180,7 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
 
     policies = {spec: parse_length(spec) for spec in filter(None, args.lengths.split(";"))}
     configs += [(t, d, spec, "lossless") for t in temps for d in drafters for spec in policies
-                if hasattr(loaded[d], "extend")]
+                if is_block_drafter(loaded[d])]
     outputs: dict[tuple, list[list[int]]] = {}
     results: dict[tuple, dict[str, Any]] = {}
     bar = tqdm(total=len(configs) * args.repeats * len(enc), desc="bench", unit="prompt",
@@ -238,8 +230,9 @@ def speculative(args: argparse.Namespace) -> dict[str, Any]:
                     outputs.setdefault(cfg, []).append(
                         [int(t) for t in np.asarray(out.tokens[0, :n])])
                 vs = jax.device_get(out.verifier)
-                tv = (float(vs.tv_sum[0]), int(vs.positions[0])) if hasattr(vs, "tv_sum") \
-                    else (0.0, 0)
+                # DIVERSED's running total variation to the target (its state declares it).
+                tv = ((float(vs.tv_sum[0]), int(vs.positions[0]))
+                      if isinstance(vs, DiversedState) else (0.0, 0))
                 vec = [int(st.rounds[0]), int(st.emitted[0]), int(st.accepted[0]),
                        int(st.drafted[0]), int(st.oracle[0]), int(st.oracle_gap[0]), *tv,
                        *map(int, st.accepted_at[0])]

@@ -17,7 +17,6 @@ import statistics
 import time
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -29,7 +28,6 @@ from jspec.length import FixedLength
 from jspec.models import registry
 from jspec.models.model import load_model
 from jspec.prompts import load_prompt_set
-from jspec.sampling import Sampling
 from jspec.specs import split_list
 from jspec.tables import print_table
 
@@ -91,13 +89,10 @@ def _timed_passes(one_pass: Any, repeats: int) -> tuple[float, list[float], int]
 
 def compiled_peak_bytes(model: Any, ids: np.ndarray, lens: np.ndarray, new_tokens: int,
                         drafter: Any = None, length: Any = None) -> int | None:
-    """Bytes XLA plans for one `generate` of this batch (None where the backend does not say)."""
-    ids_b = pad_to_bucket(jnp.asarray(ids))
-    statics = decode._statics(model, ids_b, drafter, Sampling(), new_tokens, None, length,
-                              None)
-    verifier = statics.pop("verifier")
-    m = decode._generate.lower(model.weights, drafter, verifier, ids_b, jnp.asarray(lens),
-                               jax.random.key(0), **statics).compile().memory_analysis()
+    """Bytes XLA plans for the `generate` of this batch (ids i32[B, P], lens i32[B]) that
+    `jspec_batched` times (None where the backend does not say)."""
+    m = decode.lower(model, jnp.asarray(ids), jnp.asarray(lens), drafter=drafter, length=length,
+                     max_new_tokens=new_tokens).compile().memory_analysis()
     if m is None:
         return None
     return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes

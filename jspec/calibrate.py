@@ -2,9 +2,10 @@
 
 1. Measure the verification cost t(K) (forward of K tokens with a filled cache) at the widths
    LibraSpec compiles and at the fixed lengths compared against, and the drafter's cost per block.
-2. Probe: decode real prompts greedily while drafting d_max tokens and verifying all of them
-   every round; record per round the drafter's confidences q_1..q_dmax and the oracle length o
-   (leading drafted tokens equal to the target's argmax).
+2. Probe: decode real prompts greedily (`jspec.generate`'s own rounds) while drafting d_max
+   tokens and verifying all of them every round, with a length policy that records per round
+   the drafter's confidences q_1..q_dmax (`Recording`); and the oracle length o (leading
+   drafted tokens equal to the target's argmax: what greedy lossless verification accepts).
 3. Simulate, on those rounds, every fixed K (tokens min(o, K) + 1, time t(K+1) + blocks·t_block)
    and LibraSpec for a grid of (n, α) (Algorithm 1 on the recorded confidences, verify width the
    smallest static width ≥ d); pick the best by tokens per second.
@@ -18,28 +19,29 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import itertools
 import json
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 import jspec
 from jspec import platforms
-from jspec.bench import _median_time
 from jspec.cost import forward_times
-from jspec.decode import _init_jit
-from jspec.drafters.base import DraftContext
+from jspec.drafters.base import DraftContext, is_block_drafter
 from jspec.errors import JspecError
-from jspec.length import LibraSpec, default_widths
-from jspec.models.llama import forward
+from jspec.length import FixedLength, LibraSpec, default_widths
 from jspec.prompts import load_prompt_set
-from jspec.sampling import argmax
-from jspec.state import bucket_length, cache_capacity, commit, features
-from jspec.verify.lossless import leading_true
+from jspec.rounds import init_state
+from jspec.state import cache_capacity
+from jspec.timing import median_time
 
 
 def algorithm1(conf: np.ndarray, n: int, d_max: int, alpha: float) -> tuple[int, int]:
@@ -63,59 +65,56 @@ def algorithm1(conf: np.ndarray, n: int, d_max: int, alpha: float) -> tuple[int,
         top = max(top, d)
 
 
+@dataclasses.dataclass(frozen=True)
+class Recording(FixedLength):
+    """`FixedLength(k)` whose rounds hand the host, in round order, each round's proposal
+    confidences f32[B, k], committed length i32[B] (the target cache's) and live rows bool[B]:
+    `record(conf, cache_len, live)` (`jax.experimental.io_callback`). The probe's rounds are
+    `generate`'s own (`jspec.rounds.speculative_round`), recorded."""
+
+    record: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None
+
+    def draft(self, drafter: Any, dstate: Any, ctx: DraftContext, sampling: jspec.Sampling,
+              key: jax.Array, live: jax.Array) -> tuple[Any, Any, jax.Array, jax.Array]:
+        prop, dstate, d, need = super().draft(drafter, dstate, ctx, sampling, key, live)
+        io_callback(self.record, None, prop.conf, ctx.cache_len, live, ordered=True)
+        return prop, dstate, d, need
+
+
 def probe(model: Any, drafter: Any, prompts: list[list[int]], d_max: int, max_new_tokens: int,
           progress: Any = None) -> tuple[np.ndarray, np.ndarray]:
-    """Greedy decoding that drafts and verifies d_max tokens every round.
+    """Greedy decoding (`jspec.generate`, lossless) that drafts and verifies d_max tokens every
+    round, recording the drafter's confidences per round (`Recording`).
 
-    Returns (conf f32[R, d_max], oracle i32[R]) over all rounds of all prompts.
+    Returns (conf f32[R, d_max], oracle i32[R]) over all rounds of all prompts: a round's
+    oracle length is its accepted count (greedy lossless verification accepts the leading
+    drafted tokens equal to the target's argmax), read from how far the next round's committed
+    length moved (the last round's: the accepted total less the others).
     """
 
-    cfg = model.config
-    greedy = jspec.Sampling()
-    policy = LibraSpec(n=min(drafter.caps.block_tokens, d_max), d_max=d_max)
-    fl = drafter.caps.feature_layers
+    rounds: list[tuple[np.ndarray, int]] = []  # (conf f32[d_max], cache length) per round
 
-    @jax.jit
-    def step(weights, drafter, state):
-        ctx = DraftContext(seq=state.seq, cache_len=state.cache.lengths, last=state.last)
-        toks, _, ds = drafter.propose(state.drafter, ctx, d_max, greedy, state.key)
-        conf = ds.conf  # f32[B, d_max]
-        ds = dataclasses.replace(ds, conf=state.drafter.conf, vhat=state.drafter.vhat,
-                                 hidden=state.drafter.hidden)  # keep the carried shapes
-        valid = toks >= 0
-        draft = jnp.where(valid, toks, 0)
-        inp = jnp.concatenate([state.last[:, None], draft], axis=1)
-        pos = state.cache.lengths[:, None] + jnp.arange(d_max + 1, dtype=jnp.int32)[None]
-        out = forward(cfg, weights, inp, pos, state.cache, hidden_layers=fl)
-        tgt = argmax(out.logits)
-        o = leading_true(valid & (draft == tgt[:, :d_max]))
-        ds = drafter.observe(ds, features(out.hidden, drafter.caps.feature_norm), state.cache.lengths,
-                             o + 1)
-        rows = jnp.arange(draft.shape[0])
-        emitted = jnp.concatenate([draft, jnp.zeros_like(o)[:, None]], axis=1)
-        emitted = emitted.at[rows, o].set(tgt[rows, o])
-        live = ~state.done
-        new = commit(state, emitted, o + 1, model.eos_ids, out.cache, o, d_max)
-        return dataclasses.replace(new, drafter=ds), live, o, conf
+    def record(conf: np.ndarray, cache_len: np.ndarray, live: np.ndarray) -> None:
+        if live[0]:
+            rounds.append((np.asarray(conf[0], np.float32), int(cache_len[0])))
 
+    policy = Recording(d_max, record=record)
     all_c, all_o = [], []
     for ids in prompts:
-        width = bucket_length(len(ids))
-        arr = np.zeros((1, width), np.int32)
-        arr[0, :len(ids)] = ids
-        cap = cache_capacity(width, max_new_tokens, d_max, platforms.of_arrays(model.weights))
-        state = _init_jit(model.weights, drafter, jspec.Lossless(), jnp.asarray(arr),
-                          jnp.asarray([len(ids)], jnp.int32), jax.random.key(0), config=cfg,
-                          sampling=greedy, max_new_tokens=max_new_tokens, capacity=cap,
-                          eos_ids=model.eos_ids, k=d_max, length=policy, mesh=None)
-        while not bool(state.done[0]):
-            state, live, o, c = step(model.weights, drafter, state)
-            if bool(live[0]):
-                all_c.append(np.asarray(c[0]))
-                all_o.append(int(o[0]))
+        rounds.clear()
+        out = jspec.generate(model, np.asarray([ids], np.int32), drafter=drafter,
+                             verifier=jspec.Lossless(), length=policy,
+                             max_new_tokens=max_new_tokens)
+        accepted = int(out.stats.accepted[0])  # waits for the decode
+        jax.effects_barrier()
+        starts = [c for _, c in rounds]
+        o = [b - a - 1 for a, b in itertools.pairwise(starts)]
+        o += [accepted - sum(o)] if rounds else []
+        all_c += [c for c, _ in rounds]
+        all_o += o
         if progress is not None:
             progress.update(1)
-    return np.asarray(all_c, np.float32), np.asarray(all_o, np.int32)
+    return (np.asarray(all_c, np.float32).reshape(-1, d_max), np.asarray(all_o, np.int32))
 
 
 def verify_times(model: Any, ks: list[int], fill: int, repeats: int) -> dict[int, float]:
@@ -135,16 +134,15 @@ def block_time(model: Any, drafter: Any, fill: int, repeats: int) -> float:
     """Seconds per drafter block (`extend`) with `fill` context slots."""
 
     ids = jnp.full((1, fill), 42, jnp.int32)
-    state = _init_jit(model.weights, drafter, jspec.Lossless(), ids,
-                      jnp.asarray([fill], jnp.int32), jax.random.key(0), config=model.config,
-                      sampling=jspec.Sampling(), max_new_tokens=8,
-                      capacity=cache_capacity(fill, 8, 8, platforms.of_arrays(model.weights)),
-                      eos_ids=model.eos_ids, k=8,
-                      length=LibraSpec(n=1, d_max=8), mesh=None)
+    cap = cache_capacity(fill, 8, 8, platforms.of_arrays(model.weights))
+    init = jax.jit(functools.partial(init_state, model.config, sampling=jspec.Sampling(),
+                                     max_new_tokens=8, capacity=cap, eos_ids=model.eos_ids, k=8,
+                                     length=LibraSpec(n=1, d_max=8)))
+    state = init(model.weights, drafter, ids, jnp.asarray([fill], jnp.int32), jax.random.key(0))
     ctx = DraftContext(seq=state.seq, cache_len=state.cache.lengths, last=state.last)
     fn = jax.jit(lambda d, s: d.extend(s, ctx, ctx.last, 1, jspec.Sampling(),
                                        jax.random.key(0))[0])
-    return _median_time(lambda: jax.block_until_ready(fn(drafter, state.drafter)), repeats)
+    return median_time(lambda: jax.block_until_ready(fn(drafter, state.drafter)), repeats)
 
 
 def interp(times: dict[int, float], k: int) -> float:
@@ -189,9 +187,9 @@ def main(args: argparse.Namespace) -> int:
         tqdm = None
     model = jspec.load_model(args.model)
     drafter = jspec.load_drafter(args.drafter, target=model)
-    if not hasattr(drafter, "extend"):
+    if not is_block_drafter(drafter):
         raise JspecError(f"calibrate-length needs a block drafter (DFlash), not {args.drafter!r}")
-    d_max, bs = args.d_max, drafter.block_tokens
+    d_max, bs = args.d_max, drafter.caps.block_tokens
     widths = default_widths(d_max)
     fixed = list(range(1, min(16, d_max) + 1))
     t0 = time.time()

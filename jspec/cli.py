@@ -243,6 +243,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import jspec  # noqa: PLC0415
     from jspec import launch  # noqa: PLC0415
     from jspec.decode import plain_is_faster, stream  # noqa: PLC0415
+    from jspec.drafters.base import settings_of  # noqa: PLC0415
     from jspec.provenance import machine_class, provenance  # noqa: PLC0415
 
     # Before any other JAX call: join the other processes (under jspec.launch, or --distributed).
@@ -281,7 +282,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if mesh is not None:
         drafter = jspec.sharding.shard_drafter(drafter, mesh)
     if drafter is not None and plain_is_faster(drafter, length, verifier, args.batch_size):
-        limit = drafter.caps.max_batch
+        limit = settings_of(drafter).max_batch
         where = ("at every batch" if limit == 0 else f"past batch {limit}")
         print(f"note: on this {machine_class()} machine {args.drafter} was measured slower than "
               f"plain decoding {where} (its jspec.defaults record), so this decodes plainly; "

@@ -18,13 +18,20 @@ import warnings
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jspec import memory, platforms, sharding
-from jspec.drafters.base import Drafter
+from jspec.drafters.base import Drafter, settings_of
 from jspec.drafters.bind import share_target
 from jspec.errors import JspecError, PlainDecodingWarning
+from jspec.generate_args import (
+    check_mesh_argument,
+    feature_layers,
+    in_user_trace,
+    limit_rows,
+    sampling_rows,
+    stop_array,
+)
 from jspec.inputs import pad_to_bucket, validate_prompts
 from jspec.length import FixedLength, LibraSpec
 from jspec.models.config import ModelConfig
@@ -174,7 +181,7 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
         tokens last; rows are moved to the right-padded layout with a per-row gather, also
         under jit).
       drafter: None for plain autoregressive decoding. Given no `length=` and Lossless
-        verification, a batch larger than `drafter.caps.max_batch` (the measured point past
+        verification, a batch larger than the drafter's measured `max_batch` (the point past
         which speculation stops paying, `jspec.defaults`) is decoded plainly, with a
         `PlainDecodingWarning`: the same output distribution, greedy the same tokens; pass
         `length=` to speculate regardless. Inside a user's jit that switch is an error
@@ -211,16 +218,56 @@ def generate(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
       distribution; 0 after each row's end), stats; with `features`, sequence / features /
       final_hidden. Under a mesh, arrays are sharded over `data` by row.
     """
+    # _prepare directly (not through `_arguments`): its PlainDecodingWarning names the caller.
     statics, args = _prepare(model, prompt_ids, prompt_lengths, attention_mask, padding_side,
                              drafter, max_new_tokens, sampling, verifier, length, key, capacity,
                              attention_impl, mesh, features)
-    ids = args[3]  # (weights, drafter, verifier, ids, lengths, key)
+    args = _with_dynamic(statics, args, limit, stop_ids, sampling_params)
     with sharding.using(statics["mesh"]):
-        if statics["mesh"] is None and not isinstance(ids, jax.core.Tracer):
-            _check_memory(*args, statics)
-        return _generate(*args, _limit(limit, ids.shape[0]), _stop_ids(stop_ids),
-                         _sampling_params(sampling_params, statics["sampling"], ids.shape[0]),
-                         **statics)
+        if statics["mesh"] is None and not isinstance(args[3], jax.core.Tracer):
+            _check_memory(*args[:6], statics)
+        return _generate(*args, **statics)
+
+
+def lower(model: Model, prompt_ids: Any, prompt_lengths: Any = None, **kw: Any
+          ) -> jax.stages.Lowered:
+    """`generate`'s program for these inputs, lowered and not run (keyword arguments as
+    `generate`'s; the same validation, plain-decoding choice and static arguments):
+    `.compile()` it for `memory_analysis()` / `cost_analysis()`, `.as_text()` for its HLO.
+
+    Args:
+      model, prompt_ids (i32[B, P]), prompt_lengths (i32[B]), **kw: as `generate`.
+    Returns:
+      jax.stages.Lowered: the jitted `generate` program lowered for these arguments.
+    """
+    statics, args = _arguments(model, prompt_ids, prompt_lengths, **kw)
+    with sharding.using(statics["mesh"]):
+        return _generate.lower(*args, **statics)
+
+
+def _arguments(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
+               attention_mask: Any = None, padding_side: str = "right",
+               drafter: Drafter | None = None, max_new_tokens: int = 128,
+               sampling: Sampling = Sampling(), verifier: Verifier | None = None,
+               length: LengthPolicy | None = None, key: jax.Array | None = None,
+               capacity: int | None = None, limit: Any = None, stop_ids: Any = None,
+               sampling_params: SamplingParams | None = None, features: Any = False,
+               attention_impl: str | None = None, mesh: Mesh | bool | None = None
+               ) -> tuple[dict[str, Any], tuple[Any, ...]]:
+    """(the statics, the positional arguments) of `_generate` for a `generate` call: (weights,
+    drafter, verifier, ids, lengths, key, limit, stop, params)."""
+    statics, args = _prepare(model, prompt_ids, prompt_lengths, attention_mask, padding_side,
+                             drafter, max_new_tokens, sampling, verifier, length, key, capacity,
+                             attention_impl, mesh, features)
+    return statics, _with_dynamic(statics, args, limit, stop_ids, sampling_params)
+
+
+def _with_dynamic(statics: dict[str, Any], args: tuple[Any, ...], limit: Any, stop_ids: Any,
+                  sampling_params: SamplingParams | None) -> tuple[Any, ...]:
+    """`_prepare`'s (weights, drafter, verifier, ids, lengths, key) + (limit, stop, params)."""
+    b = args[3].shape[0]
+    return (*args, limit_rows(limit, b), stop_array(stop_ids),
+            sampling_rows(sampling_params, statics["sampling"], b))
 
 
 def _prepare(model: Model, prompt_ids: Any, prompt_lengths: Any, attention_mask: Any,
@@ -240,20 +287,20 @@ def _prepare(model: Model, prompt_ids: Any, prompt_lengths: Any, attention_mask:
                                     attention_mask=attention_mask, padding_side=padding_side)
     ids = pad_to_bucket(ids)
     traced = in_user_trace()
-    _check_mesh_argument(mesh, traced)
+    check_mesh_argument(mesh, traced)
     layers = feature_layers(features, drafter, model.config)
     if plain_is_faster(drafter, length, verifier, ids.shape[0]):
-        limit = drafter.caps.max_batch
+        limit = settings_of(drafter).max_batch
         where = "at every batch size" if limit == 0 else f"past batch {limit}"
         if traced:
             raise JspecError(
                 f"inside your jit, batch {ids.shape[0]} is {where} where this drafter's "
-                f"measured record says plain decoding is faster (caps.max_batch = {limit}); "
+                f"measured record says plain decoding is faster (max_batch = {limit}); "
                 f"jspec does not switch a traced program silently: pass "
                 f"length=jspec.FixedLength(k) to speculate, or drafter=None to decode plainly")
         warnings.warn(PlainDecodingWarning(
             f"decoding plainly: this drafter's measured record says plain decoding is faster "
-            f"{where} on this machine class (caps.max_batch = {limit}; batch {ids.shape[0]}); "
+            f"{where} on this machine class (max_batch = {limit}; batch {ids.shape[0]}); "
             f"the output distribution is the same. Pass length=jspec.FixedLength(k) to "
             f"speculate anyway, or re-measure with `python -m jspec calibrate`."), stacklevel=3)
         drafter, verifier = None, None
@@ -272,106 +319,13 @@ def _prepare(model: Model, prompt_ids: Any, prompt_lengths: Any, attention_mask:
     return statics, args
 
 
-def _limit(limit: Any, batch: int) -> jax.Array | None:
-    """`limit=` as i32[B] (a scalar is broadcast, so that both compile one program; None
-    stays None: the static maximum)."""
-    if limit is None:
-        return None
-    limit = jnp.asarray(limit, jnp.int32)
-    if limit.ndim > 1 or (limit.ndim == 1 and limit.shape[0] != batch):
-        raise JspecError(f"limit must be a scalar or one value per row ({batch}), got shape "
-                         f"{limit.shape}")
-    return jnp.broadcast_to(limit, (batch,))
-
-
-def feature_layers(features: Any, drafter: Any, config: ModelConfig) -> tuple[int, ...]:
-    """`features=` as the static tuple of target layers whose hidden states are returned
-    (() when off): True means the drafter's own feature layers; a tuple must equal them when
-    the drafter has some (its forwards compute those)."""
-    if features is False or features is None:
-        return ()
-    own = () if drafter is None else tuple(getattr(drafter.caps, "feature_layers", ()))
-    if features is True:
-        if not own:
-            raise JspecError("features=True returns the drafter's feature layers and this "
-                             "decoding has none: pass features=(layer, ...) (target layers)")
-        return own
-    layers = tuple(int(i) for i in features)
-    if not layers or any(not 0 <= i < config.num_layers for i in layers):
-        raise JspecError(f"features must be True or target layer indices in [0, "
-                         f"{config.num_layers}), got {features!r}")
-    if own and layers != own:
-        raise JspecError(f"this drafter's forwards return layers {own}: pass features=True "
-                         f"(or features={own}), got {layers}")
-    return layers
-
-
-def _sampling_params(params: SamplingParams | None, sampling: Sampling, batch: int
-                     ) -> SamplingParams | None:
-    """`sampling_params=` checked against the static `sampling`, each given field as f32[B] /
-    i32[B] (a scalar is broadcast, so that both compile one program)."""
-    if params is None:
-        return None
-    sampling.check_rows(params)
-
-    def rows(a: Any, dtype: Any, name: str) -> jax.Array | None:
-        if a is None:
-            return None
-        a = jnp.asarray(a, dtype)
-        if a.ndim > 1 or (a.ndim == 1 and a.shape[0] != batch):
-            raise JspecError(f"sampling_params.{name} must be a scalar or one value per row "
-                             f"({batch}), got shape {a.shape}")
-        return jnp.broadcast_to(a, (batch,))
-
-    return SamplingParams(temperature=rows(params.temperature, jnp.float32, "temperature"),
-                          top_k=rows(params.top_k, jnp.int32, "top_k"),
-                          top_p=rows(params.top_p, jnp.float32, "top_p"))
-
-
-def _stop_ids(stop_ids: Any) -> jax.Array | None:
-    """`stop_ids=` as i32[S] (None stays None: the model's static `eos_ids`)."""
-    if stop_ids is None:
-        return None
-    stop = jnp.asarray(stop_ids, jnp.int32)
-    if stop.ndim != 1 or stop.shape[0] == 0:
-        raise JspecError(f"stop_ids must be a non-empty i32[S] array (pad with -1), got shape "
-                         f"{stop.shape}")
-    return stop
-
-
-def in_user_trace() -> bool:
-    """True when `generate` is called inside a trace (a user's jit, vmap, scan, ...):
-    `jax.sharding.get_mesh` answers only outside one."""
-    try:
-        jax.sharding.get_mesh()
-    except ValueError:
-        return True
-    return False
-
-
-def _check_mesh_argument(mesh: Mesh | bool | None, traced: bool) -> None:
-    """`mesh=` None inside a user's jit under a `jax.set_mesh` context is an error that names
-    both choices (a Mesh, or False: pin nothing)."""
-    if mesh is True:
-        raise JspecError("mesh must be a jax.sharding.Mesh, None or False, got True")
-    if mesh is None and traced:
-        ctx = jax.sharding.get_abstract_mesh()
-        explicit = any(t == jax.sharding.AxisType.Explicit for t in ctx.axis_types)
-        if not ctx.empty and not explicit:  # Explicit: sharding.resolve_mesh's own error
-            raise JspecError(
-                f"generate inside your jit under a jax.set_mesh context (axes "
-                f"{ctx.axis_names}): jspec cannot read the concrete mesh there; pass mesh=<that "
-                f"Mesh> to lay the decode out by jspec.sharding.RULES, or mesh=False to pin "
-                f"nothing (XLA propagates your inputs' shardings)")
-
-
 def plain_is_faster(drafter: Any, length: Any, verifier: Any, batch: int) -> bool:
-    """No `length=` asked for, a batch past the drafter's measured `caps.max_batch` (None: no
+    """No `length=` asked for, a batch past the drafter's measured `max_batch` (None: no
     limit; 0: every batch), lossless verification: plain decoding is the faster way to the same
     distribution."""
     if drafter is None or length is not None or not isinstance(drafter, Drafter):
         return False
-    limit = drafter.caps.max_batch
+    limit = settings_of(drafter).max_batch
     return limit is not None and batch > limit and (verifier is None or isinstance(verifier, Lossless))
 
 
@@ -410,7 +364,7 @@ def _statics(model: Model, ids: jax.Array, drafter: Any, sampling: Sampling, max
         if not isinstance(drafter, Drafter):
             raise JspecError(f"drafter must implement jspec.drafters.base.Drafter (caps, "
                              f"init_state, draft, observe), got {type(drafter).__name__}")
-        length = FixedLength(drafter.caps.default_k) if length is None else length
+        length = FixedLength(settings_of(drafter).k) if length is None else length
         verifier = Lossless() if verifier is None else verifier
         if not isinstance(length, (FixedLength, LibraSpec)):
             raise JspecError("length must be a jspec.FixedLength or jspec.LibraSpec, got "
@@ -433,7 +387,7 @@ def _statics(model: Model, ids: jax.Array, drafter: Any, sampling: Sampling, max
                          f"verify block of {look + 1} does not fit the cache capacity {cap}")
     return dict(config=model.config, sampling=sampling, max_new_tokens=max_new_tokens,
                 capacity=cap, eos_ids=model.eos_ids, k=k, verifier=verifier,
-                length=length if isinstance(length, LibraSpec) else None,
+                length=None if type(length) is FixedLength else length,  # k says it
                 mesh=mesh, platform=platform)
 
 
@@ -474,7 +428,7 @@ def stream(model: Model, prompt_ids: Any, prompt_lengths: Any = None, *,
     mesh = statics["mesh"]
     with sharding.using(mesh):
         state = _init_jit(weights, drafter, verifier, ids, lengths, key,
-                          _sampling_params(sampling_params, sampling, ids.shape[0]), **statics)
+                          sampling_rows(sampling_params, sampling, ids.shape[0]), **statics)
     loop_statics = {k: statics[k] for k in ("config", "sampling", "eos_ids", "k", "length",
                                             "mesh", "platform")}
     while True:

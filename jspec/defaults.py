@@ -68,6 +68,21 @@ class Record:
                              f"'ngram' (or ''), got {self.proposer!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The measured settings a drafter carries, from its record (`jspec.drafters.base.settings_of`
+    reads them; `Capabilities` says what a drafter is, this what was measured for it).
+
+    k: the chain length `generate` verifies per round when given no `length=`.
+    max_batch: the largest batch at which speculation beat plain decoding (None: no limit; 0:
+      not even batch 1); `generate` with no `length=` and lossless verification decodes a
+      larger batch plainly (the same output distribution, greedy the same tokens).
+    """
+
+    k: int = 5
+    max_batch: int | None = None
+
+
 FIELDS = frozenset(f.name for f in dataclasses.fields(Record))
 
 

@@ -13,5 +13,5 @@ class ModelLoadError(JspecError):
 
 class PlainDecodingWarning(UserWarning):
     """A drafter was given but jspec decodes plainly: its measured record (`jspec.defaults`,
-    `caps.max_batch`) says plain decoding is faster for this batch on this machine class. The
+    its `settings.max_batch`) says plain decoding is faster for this batch on this machine class. The
     output distribution is the same; pass `length=` to speculate anyway."""

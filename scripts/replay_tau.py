@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.drafters.loading import drafter_file
+from jspec.drafters.base import is_block_drafter
+from jspec.drafters.loading import drafter_file, load_drafter
 from jspec.drafters.ngram import NGram
 from jspec.drafters.trained import Frozen, load_drafter_file, split_frozen
 from jspec.models.model import load_model
@@ -43,11 +44,15 @@ path = drafter_file(args.drafter)
 ks = [int(k) for k in args.ks.split(",")]
 cfg, params, vocab = load_drafter_file(path)
 kmax = max(ks)
-if cfg.kind == "eagle3":
-    cfg = dataclasses.replace(cfg, block=max(kmax, cfg.block))
-elif kmax > cfg.block - 1:
-    raise SystemExit(f"error: a DFlash block of {cfg.block} drafts at most {cfg.block - 1}")
 model = load_model("smollm2-135m")
+# What the drafter is, from its kind's registry entry (`jspec.drafters.kinds`, through
+# `load_drafter`): a block drafter drafts at most a block; a chain drafter runs on.
+loaded = load_drafter(str(path), target=model)
+if not is_block_drafter(loaded):
+    cfg = dataclasses.replace(cfg, block=max(kmax, cfg.block))
+elif kmax > loaded.caps.block_tokens:
+    raise SystemExit(f"error: a {cfg.kind} block drafts at most {loaded.caps.block_tokens} "
+                     f"tokens, not K = {kmax}")
 params, stats = split_frozen(params)
 frozen = Frozen.of(model.weights.embed, vocab, stats)
 to_draft = np.asarray(frozen.to_draft)

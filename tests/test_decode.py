@@ -222,3 +222,23 @@ def test_the_decode_loop_copies_no_cache_buffer(batch):
                 "%fused"):  # a whole-buffer copy at run time of the loop, not a small window
             copies.append(f"{comp}: {line.strip()[:120]}")
     assert not copies, copies
+
+
+def test_lower_is_the_program_generate_runs():
+    """`decode.lower` (the public way to inspect `generate`'s program: memory, cost, HLO) lowers
+    the program `generate` compiles for the same arguments: the jitted entry lowered with
+    `generate`'s own static arguments gives the same StableHLO."""
+    from jspec import decode
+    from jspec.drafters.ngram import NGram
+    from jspec.inputs import pad_to_bucket
+
+    m, d = tiny_model(), NGram(n_max=3)
+    ids = pad_to_bucket(np.asarray([[5, 6, 7, 5, 6, 7, 5, 6]] * 2, np.int32))
+    lengths = np.full((2,), 8, np.int32)
+    st = decode._statics(m, ids, d, jspec.Sampling(), 16, None, jspec.FixedLength(3), None)
+    ver = st.pop("verifier")
+    want = decode._generate.lower(m.weights, d, ver, ids, lengths, jax.random.key(0),
+                                  **st).as_text()
+    got = decode.lower(m, ids, lengths, drafter=d, max_new_tokens=16,
+                       length=jspec.FixedLength(3)).as_text()
+    assert got == want

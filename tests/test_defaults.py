@@ -121,7 +121,7 @@ def test_bad_user_file_is_a_clear_error(tmp_path, monkeypatch, text, match):
 
 
 def test_generate_without_length_uses_the_drafters_recorded_k(tmp_path, monkeypatch, cpu_bf16):
-    """A record's k reaches `caps.default_k` through load_drafter (shipped, then the user's
+    """A record's k reaches the drafter's `settings.k` through load_drafter (shipped, then the user's
     overriding it), and `generate` with no length= verifies that many drafted tokens per round
     (Stats.accepted_at has one column per drafted position); an explicit length= still wins;
     a drafter without a record keeps k = 5."""
@@ -130,34 +130,34 @@ def test_generate_without_length_uses_the_drafters_recorded_k(tmp_path, monkeypa
     monkeypatch.setenv("JSPEC_DEFAULTS", str(tmp_path / "d.json"))
     plain = jspec.generate(model, ids, max_new_tokens=8)
     early = jspec.load_drafter("early-exit:1", target=model)
-    assert defaults.lookup("early-exit:1") is None and early.caps.default_k == 5
+    assert defaults.lookup("early-exit:1") is None and early.settings.k == 5
     assert jspec.generate(model, ids, drafter=early,
                           max_new_tokens=8).stats.accepted_at.shape == (1, 5)
     shipped = defaults.lookup("ngram").k
-    assert jspec.load_drafter("ngram", target=model).caps.default_k == shipped
+    assert jspec.load_drafter("ngram", target=model).settings.k == shipped
     user_k = 2 if shipped != 2 else 4
     defaults.save("ngram", defaults.Record(k=user_k, dtype="float32", source="test"))
     d = jspec.load_drafter("ngram:n=2", target=model)
-    assert d.caps.default_k == user_k
+    assert d.settings.k == user_k
     out = jspec.generate(model, ids, drafter=d, max_new_tokens=8)
     assert out.stats.accepted_at.shape == (1, user_k)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(plain.tokens))
     assert jspec.generate(model, ids, drafter=d, max_new_tokens=8,
                           length=jspec.FixedLength(1)).stats.accepted_at.shape == (1, 1)
     tree = jspec.load_drafter("ngram+topk:k=2,nodes=4", target=model)
-    assert tree.caps.default_k == user_k  # a proposer without its own record keeps the inner's
+    assert tree.settings.k == user_k  # a proposer without its own record keeps the inner's
 
 
 def test_generate_decodes_plainly_past_the_recorded_batch(tmp_path, monkeypatch, cpu_bf16):
-    """A record's max_batch = 2 reaches `caps.max_batch` (also through a +topk proposer); with
+    """A record's max_batch = 2 reaches `settings.max_batch` (also through a +topk proposer); with
     no length= a batch of 3 is decoded plainly (nothing drafted, the same greedy tokens), a
     batch of 2 speculates, and an explicit length= or a relaxed verifier keeps speculating."""
     model = tiny_model()
     monkeypatch.setenv("JSPEC_DEFAULTS", str(tmp_path / "d.json"))
     defaults.save("ngram", defaults.Record(k=2, dtype="float32", source="t", max_batch=2))
     d = jspec.load_drafter("ngram", target=model)
-    assert d.caps.max_batch == 2
-    assert jspec.load_drafter("ngram+topk:k=2,nodes=4", target=model).caps.max_batch == 2
+    assert d.settings.max_batch == 2
+    assert jspec.load_drafter("ngram+topk:k=2,nodes=4", target=model).settings.max_batch == 2
     ids = jnp.asarray([[5, 6, 7, 5, 6, 7, 5, 6]] * 3, jnp.int32)
 
     def drafted(out):
@@ -229,9 +229,9 @@ def test_a_record_names_the_proposer_of_the_best_configuration(tmp_path, monkeyp
     assert defaults.resolve("early-exit:1+topk") == "early-exit:1+topk"
     assert defaults.resolve("early-exit:1", machine="cpu") == "early-exit:1"  # per class
     best = jspec.load_drafter("early-exit:1", target=model, best=True)
-    assert isinstance(best, LookupFirst) and best.n_min == 3 and best.caps.default_k == 3
+    assert isinstance(best, LookupFirst) and best.n_min == 3 and best.settings.k == 3
     alone = jspec.load_drafter("early-exit:1", target=model)
-    assert not isinstance(alone, LookupFirst) and alone.caps.default_k == 3
+    assert not isinstance(alone, LookupFirst) and alone.settings.k == 3
     ids = jnp.asarray([[5, 6, 7, 5, 6, 7, 5, 6]], jnp.int32)
     out = jspec.generate(model, ids, drafter=best, max_new_tokens=8)
     assert out.stats.accepted_at.shape == (1, 3)  # the record's k, no length= given
@@ -268,3 +268,29 @@ def test_calibrate_tries_the_recorded_proposer_against_the_drafter_alone(tmp_pat
             proposers_to_try(bad, "x")
     with pytest.raises(JspecError, match="names its proposer"):
         proposers_to_try("ngram", "x+topk")
+
+
+def test_capabilities_say_what_a_drafter_is_and_settings_what_was_measured():
+    """`Capabilities` holds no measured value; `settings_of` reads the settings a drafter
+    carries (a proposer's own where set, else its inner drafter's) and gives any other
+    `Drafter` implementation the defaults (k = 5, no batch limit)."""
+    from jspec.drafters.base import Capabilities, settings_of
+    from jspec.drafters.ngram import NGram
+
+    assert not {"default_k", "max_batch"} & {f.name for f in dataclasses.fields(Capabilities)}
+    inner = NGram(default_k=3, max_batch=2)
+    assert settings_of(inner) == defaults.Settings(k=3, max_batch=2)
+    assert settings_of(LookupFirst(inner)) == defaults.Settings(k=3, max_batch=2)
+    assert settings_of(LookupFirst(inner, default_k=4, max_batch=None)) == defaults.Settings(4)
+
+    class Bare:  # the protocol only
+        caps = Capabilities()
+
+        def init_state(self, *a, **kw): ...
+
+        def draft(self, *a, **kw): ...
+
+        def observe(self, *a, **kw): ...
+
+    assert isinstance(Bare(), jspec.drafters.base.Drafter)
+    assert settings_of(Bare()) == defaults.Settings(k=5, max_batch=None)

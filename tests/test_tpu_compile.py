@@ -138,10 +138,10 @@ def test_machine_class_of_a_tpu_device_and_drafter_records_follow_it(tmp_path, m
     rep = jax.sharding.NamedSharding(tpu_mesh(), jax.sharding.PartitionSpec())
     w = abstract(jax.eval_shape(functools.partial(init_weights, CFG), jax.random.key(0)), rep)
     on_tpu = jspec.load_drafter("ngram", target=Model(config=CFG, weights=w))
-    assert on_tpu.caps.max_batch is None and on_tpu.caps.default_k == 5  # no tpu-v5e record
+    assert on_tpu.settings.max_batch is None and on_tpu.settings.k == 5  # no tpu-v5e record
     defaults.save("ngram", defaults.Record(k=3, dtype="bfloat16", source="t"),
                   machine="tpu-v5e")
-    assert jspec.load_drafter("ngram", target=Model(config=CFG, weights=w)).caps.default_k == 3
+    assert jspec.load_drafter("ngram", target=Model(config=CFG, weights=w)).settings.k == 3
 
 
 def _one_chip(topology: str) -> jax.sharding.NamedSharding:

@@ -24,6 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 import jax.numpy as jnp
 
+from jspec.defaults import Settings
 from jspec.errors import JspecError
 from jspec.models.llama import tree_ancestors
 from jspec.sampling import Sampling
@@ -68,12 +69,9 @@ class Capabilities:
       fill fewer nodes in some rounds (`+ngram:look=L`: the inner chain of k, or a looked-up
       chain shorter than a tree's node budget) names the smaller widths too, and a round
       verifies the smallest one its live rows need.
-    default_k: the chain length `generate` uses when given no `length=` (for drafters loaded by
-      name, the measured best of `jspec.defaults`).
-    max_batch: the largest batch at which speculation was measured faster than plain decoding
-      (None: no limit; 0: not even batch 1, so plain decoding is the measured best);
-      `generate` given no `length=` decodes a larger batch plainly (Lossless verification
-      only: the same output distribution, greedy the same tokens).
+    What was measured for a drafter (its default chain length, the batch past which plain
+    decoding is faster) is not here: it is the drafter's `Settings`, from its `jspec.defaults`
+    record (`settings_of`).
     """
 
     feature_layers: tuple[int, ...] = ()
@@ -86,8 +84,6 @@ class Capabilities:
     path: Callable[[int], int] | None = None
     expands: bool = False
     widths: Callable[[int], tuple[int, ...]] | None = None
-    default_k: int = 5
-    max_batch: int | None = None
 
     def lookahead(self, k: int) -> int:
         """Cache slots a round writes beyond `last` for chain length k (its proposal's nodes)."""
@@ -201,10 +197,35 @@ def is_tree_expander(drafter: Any) -> bool:
     return drafter.caps.expands
 
 
+@runtime_checkable
+class Measured(Protocol):
+    """A drafter that carries measured settings (`ChainDrafter`, `Proposer` and the drafters
+    loaded by name: `load_drafter` attaches its `jspec.defaults` record's)."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+
+def settings_of(drafter: Any) -> Settings:
+    """The measured settings `generate` uses for `drafter` (the chain length when given no
+    `length=`, the batch past which it decodes plainly): its own, or the defaults (k = 5, no
+    batch limit) for a drafter that carries none."""
+    return drafter.settings if isinstance(drafter, Measured) else Settings()
+
+
 class ChainDrafter:
-    """Base of chain drafters: `draft` from `propose`; no target features by default."""
+    """Base of chain drafters: `draft` from `propose`; no target features by default. A
+    subclass's `default_k` / `max_batch` fields hold its measured `settings` (from its record
+    when loaded by name)."""
 
     name = "drafter"
+    default_k: int = 5
+    max_batch: int | None = None
+
+    @property
+    def settings(self) -> Settings:
+        """The measured settings this drafter carries (`settings_of`)."""
+        return Settings(k=self.default_k, max_batch=self.max_batch)
 
     @property
     def caps(self) -> Capabilities:
@@ -236,7 +257,7 @@ class Proposer:
     """Base of the proposers around a chain drafter `inner` (`INNER+name`: `TopKTree`,
     `LookupFirst`): the inner drafter's state follows the committed text (`init_state`,
     `observe` pass through), and the proposer inherits its feature layers and its measured
-    defaults unless given its own (`default_k` 0: the inner's; `max_batch` -1: the inner's).
+    `settings` unless given its own (`default_k` 0: the inner's; `max_batch` -1: the inner's).
     Subclasses are registered dataclasses: `inner` is a pytree child, the rest static."""
 
     inner: Any
@@ -258,12 +279,16 @@ class Proposer:
                              f"DFlash, a draft model){trees}, got {type(self.inner).__name__}")
 
     def inherited_caps(self, **kw: Any) -> Capabilities:
-        """The inner drafter's feature layers and defaults (this proposer's where set) + kw."""
+        """The inner drafter's feature layers + kw."""
         c = self.inner.caps
-        return Capabilities(feature_layers=c.feature_layers, feature_norm=c.feature_norm,
-                            default_k=self.default_k or c.default_k,
-                            max_batch=c.max_batch if self.max_batch == -1 else self.max_batch,
-                            **kw)
+        return Capabilities(feature_layers=c.feature_layers, feature_norm=c.feature_norm, **kw)
+
+    @property
+    def settings(self) -> Settings:
+        """The inner drafter's measured settings, this proposer's where set."""
+        inner = settings_of(self.inner)
+        return Settings(k=self.default_k or inner.k,
+                        max_batch=inner.max_batch if self.max_batch == -1 else self.max_batch)
 
     def init_state(self, features: jax.Array | None, prompt_ids: jax.Array,
                    prompt_lengths: jax.Array, capacity: int, *, k: int,

@@ -41,6 +41,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jspec.defaults import Settings
 from jspec.drafters import dflash
 from jspec.drafters.base import Capabilities, DraftContext, Proposal
 from jspec.drafters.dflash import (
@@ -176,8 +177,12 @@ class D2SD:
         """A tree drafter reading the first drafter's feature layers; no hidden states."""
         return Capabilities(feature_layers=self.first.feature_layers,
                             feature_norm=self.first.feature_norm, tree=True,
-                            nodes=functools.partial(tree_nodes, self.branches, self.branch_len),
-                            default_k=self.default_k, max_batch=self.max_batch)
+                            nodes=functools.partial(tree_nodes, self.branches, self.branch_len))
+
+    @property
+    def settings(self) -> Settings:
+        """The measured settings it carries (`default_k`, `max_batch`; `settings_of`)."""
+        return Settings(k=self.default_k, max_batch=self.max_batch)
 
     def num_branches(self, k: int) -> int:
         return min(self.branches, k)

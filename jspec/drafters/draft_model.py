@@ -41,7 +41,7 @@ class DraftModel(ChainDrafter):
 
     @property
     def caps(self) -> Capabilities:
-        return Capabilities(default_k=self.default_k, max_batch=self.max_batch)
+        return Capabilities()
 
     @property
     def layers(self) -> int:

@@ -110,14 +110,15 @@ def load_drafter(name_or_path: str | os.PathLike, *, target: Any = None, best: b
     after "+topk" (the looked-up chain then replaces a row's tree).
 
     A drafter with a `jspec.defaults` record (the shipped ones, or one the user calibrated)
-    carries its measured-best chain length as `caps.default_k`: what `generate` verifies per
-    round when given no `length=`, and `caps.max_batch`: past that batch such a `generate`
-    decodes plainly (speculation stops paying there). `best=True` loads the record's whole
-    configuration: the proposer it names wrapped around the drafter (`jspec.defaults.resolve`:
-    on a `cpu` machine "smollm2-135m-eagle3" gives "smollm2-135m-eagle3+ngram"); without it a
-    name loads that drafter alone. The record is that of the machine class of the target's
-    devices (its weights' sharding: a TPU generation for weights laid out on a TPU topology,
-    even when compiled from a CPU host), else of this host.
+    carries its measured settings (`settings`, `jspec.defaults.Settings`): the best chain
+    length `k`, what `generate` verifies per round when given no `length=`, and `max_batch`:
+    past that batch such a `generate` decodes plainly (speculation stops paying there).
+    `best=True` loads the record's whole configuration: the proposer it names wrapped around
+    the drafter (`jspec.defaults.resolve`: on a `cpu` machine "smollm2-135m-eagle3" gives
+    "smollm2-135m-eagle3+ngram"); without it a name loads that drafter alone. The record is
+    that of the machine class of the target's devices (its weights' sharding: a TPU
+    generation for weights laid out on a TPU topology, even when compiled from a CPU host),
+    else of this host.
     """
     machine = _machine_of(target)
     name = defaults.resolve(str(name_or_path), machine) if best else str(name_or_path)

@@ -39,8 +39,7 @@ class NGram(ChainDrafter):
 
     @property
     def caps(self) -> Capabilities:
-        return Capabilities(may_abstain=True, default_k=self.default_k,
-                            max_batch=self.max_batch)
+        return Capabilities(may_abstain=True)
 
     def init_state(self, features: Any, prompt_ids: jax.Array, prompt_lengths: jax.Array,
                    capacity: int, *, k: int = 0, verify_width: int = 0) -> None:

@@ -290,8 +290,7 @@ class TrainedDrafter(ChainDrafter):
     def caps(self) -> Capabilities:
         return Capabilities(feature_layers=self.feature_layers, feature_norm=self.feature_norm,
                             may_abstain=self.may_abstain, block_tokens=self.block_tokens,
-                            hidden_size=self.hidden_size, default_k=self.default_k,
-                            max_batch=self.max_batch)
+                            hidden_size=self.hidden_size)
 
     def draft(self, state: Any, ctx: DraftContext, k: int, sampling: Sampling,
               key: jax.Array) -> tuple[Proposal, Any]:
