@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -23,19 +24,63 @@ import numpy as np
 
 import jspec
 from jspec.models.model import Model
-from train.grpo import GRPOConfig, drafter_optimizer, init_state, merge, split_policy, step_batch
-from train.grpo_tasks import Tasks, answer_reward, arithmetic_tasks
+from train.grpo import (
+    GRPOConfig,
+    drafter_optimizer,
+    init_state,
+    merge,
+    split_policy,
+    step_batch,
+    trained_part,
+    with_trained_part,
+)
+from train.grpo_tasks import Tasks, answer_reward, arithmetic_tasks, token_classes
 from train.loop import optimizer
+
+
+def restore(model: Model, drafter: Any, args: argparse.Namespace) -> tuple[int, dict, Any]:
+    """(the step, the policy's trained parameters, the drafter as the run left it) of the last
+    checkpoint in `args.out` (the drafter: with its online-trained parameters under
+    `--drafter-lr`, else as given)."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    _, params0 = split_policy(model.weights, args.train_layers)
+    mngr = ocp.CheckpointManager(Path(args.out).resolve() / "ckpt")
+    last = mngr.latest_step()
+    if last is None:
+        raise SystemExit(f"no checkpoint in {args.out}/ckpt")
+    state, opt = init_state(params0, drafter, optimizer(args), drafter_optimizer(args, drafter))
+    try:
+        state = mngr.restore(last, args=ocp.args.StandardRestore(
+            {"params": state, "opt_state": opt}))["params"]
+    except ValueError:  # written before the online drafter step (2026-12-08): the policy alone
+        state = {"policy": mngr.restore(last, args=ocp.args.StandardRestore(
+            {"params": params0, "opt_state": opt[0]}))["params"], "drafter": None}
+    if state["drafter"] is not None:
+        drafter = with_trained_part(drafter, dataclasses.replace(trained_part(drafter),
+                                                                  params=state["drafter"]))
+    return last, state["policy"], drafter
 
 
 def bench_rollouts(model: Model, drafter: Any, tasks: Tasks, cfg: GRPOConfig,
                    args: argparse.Namespace) -> dict[str, float]:
     """Time `args.bench_rollouts` rollouts of step 0's batch (P*G rows) with the drafter and as
     many without, alternating (the same keys both ways), each jitted with the weights as an
-    argument as in the RL step. Prints and returns tokens/s and τ of each."""
+    argument as in the RL step. Prints and returns tokens/s, mean length and reward of each,
+    and τ. `args.at_checkpoint`: the policy and drafter of the last checkpoint in `args.out`
+    (re-bound to that policy) instead of the initial ones."""
     if drafter is None:
         raise SystemExit("--bench-rollouts compares against a drafter: give --drafter")
     batch, key = step_batch(tasks, cfg, args.seed, 0)
+    weights, step = model.weights, 0
+    if getattr(args, "at_checkpoint", False):
+        frozen, _ = split_policy(model.weights, args.train_layers)
+        step, params, drafter = restore(model, drafter, args)
+        model = dataclasses.replace(model, config=model.config.replace(tie_embeddings=False),
+                                    weights=merge(frozen, params))
+        weights = model.weights
+        drafter = jspec.bind(drafter, weights)
+    classes = token_classes(model.tokenizer, model.config.vocab_size)
 
     @functools.partial(jax.jit, static_argnames="spec")
     def rollout(weights, drafter, batch, key, spec):
@@ -45,20 +90,23 @@ def bench_rollouts(model: Model, drafter: Any, tasks: Tasks, cfg: GRPOConfig,
                              sampling=jspec.Sampling(temperature=cfg.temperature),
                              length=jspec.FixedLength(cfg.k) if spec else None)
         st = out.stats
-        return out.lengths.sum(), st.emitted.sum() / jax.numpy.maximum(st.rounds.sum(), 1)
+        return (out.lengths.sum(), st.emitted.sum() / jax.numpy.maximum(st.rounds.sum(), 1),
+                answer_reward(out.tokens, batch.answers, classes).sum())
 
-    res: dict[str, list[float]] = {"spec_s": [], "plain_s": [], "spec_tok": [], "plain_tok": [],
-                                   "tau": []}
+    res: dict[str, list[float]] = {f"{w}_{x}": [] for w in ("spec", "plain")
+                                   for x in ("s", "tok", "reward")}
+    res["tau"] = []
     for spec in (True, False):  # compile both first
-        jax.block_until_ready(rollout(model.weights, drafter, batch, key, spec))
+        jax.block_until_ready(rollout(weights, drafter, batch, key, spec))
     for r in range(args.bench_rollouts):
         k = jax.random.fold_in(key, r)
         for spec in (True, False):
             t0 = time.perf_counter()
-            n, tau = jax.block_until_ready(rollout(model.weights, drafter, batch, k, spec))
+            n, tau, rew = jax.block_until_ready(rollout(weights, drafter, batch, k, spec))
             name = "spec" if spec else "plain"
             res[f"{name}_s"].append(time.perf_counter() - t0)
             res[f"{name}_tok"].append(float(n))
+            res[f"{name}_reward"].append(float(rew))
             if spec:
                 res["tau"].append(float(tau))
     summary = {f"{w}_tokens_per_s": sum(res[f"{w}_tok"]) / sum(res[f"{w}_s"])
@@ -66,7 +114,9 @@ def bench_rollouts(model: Model, drafter: Any, tasks: Tasks, cfg: GRPOConfig,
     rows = int(batch.ids.shape[0])
     summary.update({f"{w}_mean_length": float(np.mean(res[f"{w}_tok"])) / rows
                     for w in ("spec", "plain")})
-    summary.update(tau=float(np.mean(res["tau"])), rows=rows,
+    summary.update({f"{w}_reward": float(np.sum(res[f"{w}_reward"])) / (rows * args.bench_rollouts)
+                    for w in ("spec", "plain")})
+    summary.update(tau=float(np.mean(res["tau"])), rows=rows, step=step,
                    repeats=args.bench_rollouts, loadavg=os.getloadavg()[0])
     summary["speedup"] = summary["spec_tokens_per_s"] / summary["plain_tokens_per_s"]
     print(json.dumps(summary), flush=True)
@@ -91,24 +141,12 @@ def evaluate(model: Model, drafter: Any, classes: np.ndarray, cfg: GRPOConfig,
     held-out tasks (seed 1, expressions absent from the training set): greedy, and G samples
     each at the run's temperature with the same keys for both policies (a paired comparison).
     Plain decoding (speculation changes no distribution), batches of P*G rows."""
-    import orbax.checkpoint as ocp  # noqa: PLC0415
-
     train = arithmetic_tasks(model, args.tasks, seed=0, task=args.task)
     sets = {"train": train,
             "heldout": held_out(train, arithmetic_tasks(model, 20 * args.evaluate, seed=1,
                                                         task=args.task), args.evaluate)}
     frozen, params0 = split_policy(model.weights, args.train_layers)
-    mngr = ocp.CheckpointManager(Path(args.out).resolve() / "ckpt")
-    last = mngr.latest_step()
-    if last is None:
-        raise SystemExit(f"no checkpoint in {args.out}/ckpt")
-    state, opt = init_state(params0, drafter, optimizer(args), drafter_optimizer(args, drafter))
-    try:
-        params1 = mngr.restore(last, args=ocp.args.StandardRestore(
-            {"params": state, "opt_state": opt}))["params"]["policy"]
-    except ValueError:  # written before the online drafter step (2026-12-08): the policy alone
-        params1 = mngr.restore(last, args=ocp.args.StandardRestore(
-            {"params": params0, "opt_state": opt[0]}))["params"]
+    last, params1, _ = restore(model, drafter, args)
     mcfg = model.config.replace(tie_embeddings=False)
     rows = cfg.prompts * cfg.group
 
