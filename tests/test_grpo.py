@@ -199,3 +199,26 @@ def test_held_out_tasks_exclude_the_training_expressions():
     assert got.texts == ("5 - 1", "6 * 7") and list(got.answers) == [1, 3]
     with pytest.raises(SystemExit, match="only 2 held-out"):
         held_out(tasks(["1 + 2"]), tasks(["1 + 2", "5 - 1", "6 * 7"]), 3)
+
+
+def test_online_state_checkpoints_and_restores(tmp_path):
+    """An online run's checkpoint holds the drafter it trained: `grpo_bench.restore` gives back
+    the policy and the drafter (inside its proposer) as `train` returned them."""
+    from test_rl import _build
+
+    from jspec.drafters.ngram import LookupFirst
+    from train.grpo_bench import restore
+
+    model, _, tasks, cls, cfg = _setup()
+    drafter = LookupFirst(inner=_build("eagle3", model.weights, model.name))
+    args = _args(tmp_path, 1)
+    args.drafter_lr, args.out = 1e-2, str(tmp_path / "run")
+    state, _, end = grpo.train(model, drafter, tasks, cls, cfg, args, tmp_path / "run")
+    assert end == 1
+    step, policy, got = restore(model, drafter, args)
+    assert step == 1 and isinstance(got, LookupFirst)
+    for a, b in zip(jax.tree.leaves((state["policy"], state["drafter"])),
+                    jax.tree.leaves((policy, got.inner.params)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
+        jax.tree.leaves(drafter.inner.params), jax.tree.leaves(got.inner.params), strict=True))

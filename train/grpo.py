@@ -135,7 +135,8 @@ def init_state(params: dict, drafter: Any, tx: optax.GradientTransformation,
     if dtx is None:
         return {"policy": params, "drafter": None}, (tx.init(params), None)
     part = trained_part(drafter)
-    return {"policy": params, "drafter": part.params}, (tx.init(params), init_opt(part, dtx))
+    copy = jax.tree.map(jnp.copy, part.params)  # donated by the step: not the drafter's own
+    return {"policy": params, "drafter": copy}, (tx.init(params), init_opt(part, dtx))
 
 
 def _rl_step(cfg: GRPOConfig, mcfg: jspec.ModelConfig, tx: optax.GradientTransformation,
