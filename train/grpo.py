@@ -331,7 +331,7 @@ def add_parser(sub: Any) -> None:
                         "drafter and R without, alternating, and print tokens/s (grpo_bench)")
     p.add_argument("--at-checkpoint", action="store_true",
                    help="--bench-rollouts with the policy and drafter of the last checkpoint in "
-                        "--out (re-bound) instead of the initial ones")
+                        "--out (re-bound unless --no-rebind) instead of the initial ones")
     p.add_argument("--evaluate", type=int, default=0, metavar="N",
                    help="instead of training: reward of the initial policy and of the last "
                         "checkpoint in --out on the training tasks and on N held-out ones "

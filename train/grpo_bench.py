@@ -68,7 +68,7 @@ def bench_rollouts(model: Model, drafter: Any, tasks: Tasks, cfg: GRPOConfig,
     many without, alternating (the same keys both ways), each jitted with the weights as an
     argument as in the RL step. Prints and returns tokens/s, mean length and reward of each,
     and τ. `args.at_checkpoint`: the policy and drafter of the last checkpoint in `args.out`
-    (re-bound to that policy) instead of the initial ones."""
+    (re-bound to that policy unless `args.no_rebind`) instead of the initial ones."""
     if drafter is None:
         raise SystemExit("--bench-rollouts compares against a drafter: give --drafter")
     batch, key = step_batch(tasks, cfg, args.seed, 0)
@@ -79,7 +79,8 @@ def bench_rollouts(model: Model, drafter: Any, tasks: Tasks, cfg: GRPOConfig,
         model = dataclasses.replace(model, config=model.config.replace(tie_embeddings=False),
                                     weights=merge(frozen, params))
         weights = model.weights
-        drafter = jspec.bind(drafter, weights)
+        if not getattr(args, "no_rebind", False):  # a frozen run's drafter keeps its copies
+            drafter = jspec.bind(drafter, weights)
     classes = token_classes(model.tokenizer, model.config.vocab_size)
 
     @functools.partial(jax.jit, static_argnames="spec")
