@@ -46,7 +46,7 @@ import numpy as np
 import optax
 
 import jspec
-from jspec.drafters.base import Proposer
+from jspec.drafters.base import Proposer, settings_of
 from jspec.errors import JspecError
 from jspec.models.model import Model
 from jspec.tasks import math_correct
@@ -266,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
         drafter = jspec.load_drafter(args.drafter, target=model, best=True)
     cfg = GRPOConfig(prompts=args.prompts, group=args.group, max_new_tokens=args.max_new,
                      temperature=args.temperature, ppo_clip=args.ppo_clip,
-                     k=args.k or getattr(drafter, "default_k", None) or 2,
+                     k=args.k or (settings_of(drafter).k if drafter is not None else 2),
                      rebind=not args.no_rebind)
     tasks = arithmetic_tasks(model, args.tasks, seed=0, task=args.task)
     classes = token_classes(model.tokenizer, model.config.vocab_size)
@@ -295,7 +295,7 @@ def add_parser(sub: Any) -> None:
                         "machine class (the shipped EAGLE-3 gives +ngram:look=4, k=2 on "
                         "cpu-bf16); 'none': plain sampled decoding")
     p.add_argument("--k", type=int, default=0, help="drafted tokens per round (0: the "
-                   "drafter's record, else 2)")
+                   "drafter's measured settings, jspec.drafters.base.settings_of)")
     p.add_argument("--no-rebind", action="store_true",
                    help="keep the drafter's initial copies of the policy's tensors (frozen)")
     p.add_argument("--task", choices=("first", "full"), default="first",

@@ -83,6 +83,7 @@ CASES = (
     Case("ngram chain K4 T1", "ngram", 1.0),
     Case("eagle3 chain K4 T0", "eagle3"),
     Case("eagle3 chain K4 T1", "eagle3", 1.0),
+    Case("eagle3 chain K2 T1", "eagle3", 1.0, 2),  # RL rollouts at large batch (docs/RL.md)
     Case("eagle3+topk tree16 T1", "eagle3+topk:nodes=16", 1.0),
     Case("dflash K7 T0", "dflash", 0.0, 7),
     Case("dflash LibraSpec T1", "dflash", 1.0, 8, libraspec=True),
