@@ -102,9 +102,9 @@ def compiled_peak_bytes(model: Any, ids: np.ndarray, lens: np.ndarray, new_token
 def hf_batched(hf_dir: str, enc: list[list[int]], batch: int, new_tokens: int, dtype: str,
                repeats: int, pad_id: int) -> dict[str, Any]:
     """The same protocol with HF transformers `generate` (left padding, attention mask)."""
-    torch = peer._setup()
-    model = peer._load(hf_dir, dtype)
-    kw = peer._greedy_kwargs(model, new_tokens)
+    torch = peer.setup_torch()
+    model = peer.load_hf(hf_dir, dtype)
+    kw = peer.greedy_kwargs(model, new_tokens)
     batches = []
     for c in _chunks(enc, batch):
         width = max(len(r) for r in c)

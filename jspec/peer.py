@@ -31,7 +31,7 @@ def hf_available() -> bool:
     return all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
 
 
-def _setup(threads: int = THREADS) -> Any:
+def setup_torch(threads: int = THREADS) -> Any:
     import torch  # noqa: PLC0415
 
     if threads < 1:
@@ -56,7 +56,7 @@ def _torch_dtype(dtype: str) -> Any:
 
 
 @functools.lru_cache(maxsize=4)
-def _load(hf_dir: str, dtype: str) -> Any:
+def load_hf(hf_dir: str, dtype: str) -> Any:
     """The HF causal LM in eval mode (cached per directory and dtype)."""
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
@@ -73,7 +73,7 @@ def _prompt(prompt_ids: list[int]) -> tuple[Any, Any]:
     return ids, torch.ones_like(ids)
 
 
-def _greedy_kwargs(model: Any, new_tokens: int) -> dict[str, Any]:
+def greedy_kwargs(model: Any, new_tokens: int) -> dict[str, Any]:
     """generate() kwargs for exactly `new_tokens` greedy tokens (EOS suppressed until then)."""
     if new_tokens < 1:
         raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
@@ -117,10 +117,10 @@ def hf_decode_tps(hf_dir: str | os.PathLike, prompt_ids: list[int], new_tokens: 
       (median total - median prefill)), `seconds` (median total), `prefill_seconds`, per-run
       `seconds_all`, the generated `tokens`, and the settings.
     """
-    torch = _setup(threads)
-    model = _load(str(hf_dir), dtype)
+    torch = setup_torch(threads)
+    model = load_hf(str(hf_dir), dtype)
     ids, mask = _prompt(prompt_ids)
-    kwargs = _greedy_kwargs(model, new_tokens)
+    kwargs = greedy_kwargs(model, new_tokens)
     with torch.inference_mode():
         times, out = _timed(lambda: model.generate(ids, attention_mask=mask, **kwargs), repeats)
         pre_kwargs = {**kwargs, "max_new_tokens": 1, "min_new_tokens": 1}
@@ -159,14 +159,14 @@ def hf_cost_curve(hf_dir: str | os.PathLike, ks: tuple[int, ...] = (1, 2, 4, 8, 
     Returns:
       dict with `seconds` {K: median seconds}, `ratio` {K: t(K) / t(1)}, and the settings.
     """
-    torch = _setup(threads)
+    torch = setup_torch(threads)
     from transformers import DynamicCache  # noqa: PLC0415
 
     if fill < 1:
         raise ValueError(f"fill must be >= 1, got {fill}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    model = _load(str(hf_dir), dtype)
+    model = load_hf(str(hf_dir), dtype)
     vocab = model.config.vocab_size
     ks = tuple(sorted({1, *(int(k) for k in ks)}))
     # deterministic, non-special filler tokens
@@ -223,12 +223,12 @@ def hf_assisted_tps(hf_dir: str | os.PathLike, prompt_ids: list[int], new_tokens
       dict with `tokens_per_s` (end-to-end, median), `seconds` (median), per-run `seconds_all`,
       `matches_greedy` (output equals plain greedy `generate`), the tokens and the settings.
     """
-    torch = _setup(threads)
+    torch = setup_torch(threads)
     if mode not in ASSISTED_MODES and not mode.startswith("early_exit:"):
         raise ValueError(f"mode must be one of {ASSISTED_MODES} or early_exit:N, got {mode!r}")
-    model = _load(str(hf_dir), dtype)
+    model = load_hf(str(hf_dir), dtype)
     ids, mask = _prompt(prompt_ids)
-    kwargs = _greedy_kwargs(model, new_tokens)
+    kwargs = greedy_kwargs(model, new_tokens)
     assistant = None
     if mode == "self":
         from transformers import AutoModelForCausalLM  # noqa: PLC0415
