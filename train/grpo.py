@@ -60,8 +60,8 @@ class GRPOConfig:
     """The static settings of the RL step (changing one recompiles)."""
 
     prompts: int = 8  # P prompts per step
-    group: int = 4  # G samples per prompt
-    max_new_tokens: int = 8
+    group: int = 8  # G samples per prompt
+    max_new_tokens: int = 5  # the longest answer (3 digits) after a space, and one more
     temperature: float = 1.0
     ppo_clip: float = 0.2  # PPO ratio clip ε
     k: int = 2  # drafted tokens per round (ignored without a drafter)
@@ -301,15 +301,16 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--task", choices=("first", "full"), default="first",
                    help="first: each shipped problem's first operation; full: its whole "
                         "computation and shipped answer (grpo_tasks.py)")
-    p.add_argument("--tasks", type=int, default=600, help="problems generated (seed 0)")
+    p.add_argument("--tasks", type=int, default=64,
+                   help="problems generated (seed 0): the training set")
     p.add_argument("--prompts", type=int, default=8, help="prompts per step (P)")
-    p.add_argument("--group", type=int, default=4, help="samples per prompt (G)")
-    p.add_argument("--max-new", type=int, default=8, help="new tokens per sample")
+    p.add_argument("--group", type=int, default=8, help="samples per prompt (G)")
+    p.add_argument("--max-new", type=int, default=5, help="new tokens per sample")
     p.add_argument("--temperature", type=float, default=1.0, help="rollout temperature")
     p.add_argument("--ppo-clip", type=float, default=0.2, help="PPO ratio clip ε")
     p.add_argument("--train-layers", type=int, default=2,
                    help="last decoder layers trained (with the final norm and LM head)")
-    p.add_argument("--lr", type=float, default=5e-5, help="AdamW peak learning rate")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW peak learning rate")
     p.add_argument("--drafter-lr", type=float, default=0.0,
                    help="online drafter step after each policy update: Adam at this rate on "
                         "the rollout's target features (EAGLE-3 / DFlash; 0: none, the "
@@ -317,7 +318,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--warmup", type=int, default=0, help="warmup steps")
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
     p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--steps", type=int, default=40, help="RL steps (cosine decay to 5%% of "
+    p.add_argument("--steps", type=int, default=80, help="RL steps (cosine decay to 5%% of "
                    "--lr over them)")
     p.add_argument("--ckpt-every", type=int, default=5, help="Orbax checkpoint interval")
     p.add_argument("--stop-after", type=int, default=0,
