@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from jspec.errors import JspecError
 
 
@@ -203,7 +205,8 @@ def plot_bench(res: dict[str, Any], out: str | Path) -> Path:
 
 def plot_training(log: str | Path, out: str | Path) -> Path:
     """Loss and held-out τ (simulated; greedy decoding replayed) per step of a `python -m
-    train` run's log.jsonl."""
+    train` run's log.jsonl; for a `train grpo` log (its records hold `reward`), the rollouts'
+    reward (each step and its 10-step mean) instead of the surrogate loss, and their τ."""
     plt = _pyplot()
     recs = [json.loads(line) for line in Path(log).read_text().splitlines() if line.strip()]
     if not recs:
@@ -211,16 +214,22 @@ def plot_training(log: str | Path, out: str | Path) -> Path:
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     # A fine-tune's step 0 holds only the held-out evaluation of the starting drafter.
     trained = [r for r in recs if "loss" in r]
-    a.plot([r["step"] for r in trained], [r["loss"] for r in trained], linewidth=0.8,
-           label="training loss")
+    rl = all("reward" in r for r in trained)
+    key = "reward" if rl else "loss"
+    a.plot([r["step"] for r in trained], [r[key] for r in trained], linewidth=0.8,
+           label="rollouts' reward" if rl else "training loss")
+    if rl and len(trained) >= 10:
+        ys = np.convolve([r["reward"] for r in trained], np.ones(10) / 10, mode="valid")
+        a.plot([r["step"] for r in trained][9:], ys, linewidth=1.8, label="10-step mean")
     held = [r for r in recs if "heldout_loss" in r]
     if held:
         a.plot([r["step"] for r in held], [r["heldout_loss"] for r in held], marker="o",
                linewidth=1.5, label="held-out loss")
-    a.set(title="Loss", xlabel="step", ylabel="loss")
+    a.set(title="Reward" if rl else "Loss", xlabel="step", ylabel=key)
     for key, label in (("tau_sim", "training batch (simulated)"),
                        ("heldout_tau_sim", "held-out (simulated)"),
-                       ("heldout_tau_replay", "held-out (greedy decoding replayed)")):
+                       ("heldout_tau_replay", "held-out (greedy decoding replayed)"),
+                       ("tau", "rollouts (measured; train grpo)")):
         pts = [(r["step"], r[key]) for r in recs if key in r]
         if pts:
             b.plot([p[0] for p in pts], [p[1] for p in pts],
@@ -229,7 +238,8 @@ def plot_training(log: str | Path, out: str | Path) -> Path:
     b.set(title="τ (tokens per target forward)", xlabel="step", ylabel="τ")
     for ax in (a, b):
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.suptitle(f"training run {Path(log).parent.name}", fontsize=10)
     fig.tight_layout()
     out = Path(out)

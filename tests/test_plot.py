@@ -84,6 +84,34 @@ def test_plot_training_log(tmp_path):
         plot_training(tmp_path / "e.jsonl", tmp_path / "e.png")
 
 
+def test_plot_grpo_log_draws_reward_and_rollout_tau(tmp_path, recwarn):
+    """A `train grpo` log: the reward (and its 10-step mean) in place of the surrogate loss,
+    the rollouts' τ; no panel without a line (no matplotlib "no artists" warning)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from jspec.plot import plot_training
+
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "loss": 0.0, "reward": 0.3 + s / 100,
+                                       "tau": 1.2}) + "\n" for s in range(1, 21)))
+    seen = {}
+    real = plt.Figure.savefig
+
+    def grab(fig, *a, **k):
+        seen["lines"] = [[ln.get_label() for ln in ax.get_lines()] for ax in fig.axes]
+        return real(fig, *a, **k)
+
+    plt.Figure.savefig = grab
+    try:
+        plot_training(log, tmp_path / "g.png")
+    finally:
+        plt.Figure.savefig = real
+    assert seen["lines"] == [["rollouts' reward", "10-step mean"],
+                             ["rollouts (measured; train grpo)"]]
+    assert not [w for w in recwarn if "No artists" in str(w.message)]
+
+
 def test_plot_aot_report_and_cli(tmp_path):
     """A `jspec aot` report's JSON draws (c(T) and HBM read per program), also through
     `python -m jspec plot`, which tells it from a bench result."""
